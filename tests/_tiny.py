@@ -1,0 +1,47 @@
+"""Tiny random Llama/Qwen2/Qwen3 models built offline (no Hub access), shared by the tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.bfloat16, **overrides):
+    """A randomly initialised tiny causal LM (weights scaled up so quantisation error is visible, not noise)."""
+    config_class, model_class = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**TINY, **overrides}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight"):
+                param.normal_(0.0, 0.08)
+    return model.to(dtype).eval()
+
+
+
+def random_tokens(batch: int = 2, length: int = 9, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
