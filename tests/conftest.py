@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-from _tiny import ARCHITECTURES, tiny_model
+import os
+
+import torch
+
+
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on CPU machines; the switch is read when Triton is imported,
+    # which transformers does early, so it has to be set before anything else is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from _tiny import ARCHITECTURES, tiny_model  # noqa: E402
 
 
 @pytest.fixture(params=sorted(ARCHITECTURES))

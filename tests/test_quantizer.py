@@ -301,22 +301,25 @@ def test_registration_is_idempotent():
 
 
 def test_import_is_lean():
+    # transformers' modeling code may import triton itself (through torch._dynamo); we must not add to that
     script = (
-        "import sys, trl_qerl, torch; assert 'trl_qerl.nvfp4.kernels' not in sys.modules; "
-        "assert 'triton' not in sys.modules; assert not torch.cuda.is_initialized()"
+        "import sys, torch, transformers.modeling_utils; before = 'triton' in sys.modules; import trl_qerl; "
+        "assert 'trl_qerl.nvfp4.kernels' not in sys.modules; assert ('triton' in sys.modules) == before; "
+        "assert not torch.cuda.is_initialized()"
     )
     subprocess.run([sys.executable, "-c", script], check=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_quantise_on_load_to_cuda_peak_memory(tmp_path):
+def test_quantise_on_load_never_holds_the_16_bit_model_on_the_device(tmp_path):
     path = tmp_path / "bf16"
-    tiny_model("qwen2", hidden_size=512, intermediate_size=2048, num_hidden_layers=4).save_pretrained(path)
+    model = tiny_model("qwen2", hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, head_dim=64)
+    bf16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(path)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    model = _load(path, device_map="cuda")
-    final = torch.cuda.memory_allocated() - base
+    quantized = _load(path, device_map="cuda")
     peak = torch.cuda.max_memory_allocated() - base
-    largest_group_bf16 = 2 * 2048 * 512 * 2
-    assert peak <= final + 4 * largest_group_bf16
-    assert model.model.layers[0].mlp.up_proj.weight_packed.is_cuda
+    assert quantized.model.layers[0].mlp.up_proj.weight_packed.is_cuda
+    assert peak < 0.6 * bf16_bytes, (peak, bf16_bytes)

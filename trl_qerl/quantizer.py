@@ -275,6 +275,13 @@ class NVFP4HfQuantizer(HfQuantizer):
                 layer.weight = nn.Parameter(torch.empty_like(linear.weight, device="meta"), requires_grad=False)
         return layer
 
+    def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
+        # transformers pre-allocates device memory for the whole model before loading; the 16-bit placeholder
+        # of a layer quantised on load never exists at full size (its packed tensors are counted themselves).
+        if self.param_needs_quantization(model, param_name):
+            return 0
+        return param.element_size()
+
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:
             return False

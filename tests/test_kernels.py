@@ -1,0 +1,252 @@
+"""Triton NVFP4 kernels against the pure-torch reference.
+
+On a CPU machine the kernels run in Triton's interpreter (the pure-Triton dequantisation path, fp16 activations:
+the interpreter mishandles bf16 dots); on a GPU they run compiled, both with and without the inline-PTX path,
+for every shape class and kernel configuration. Tolerance: relative error 1e-2 (16-bit operands, fp32
+accumulation), never NaN; dequantisation is bit-exact.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+CUDA = torch.cuda.is_available()
+assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets TRITON_INTERPRET=1 on CPU machines"
+pytest.importorskip("triton")
+
+from trl_qerl.nvfp4 import kernels as K  # noqa: E402
+from trl_qerl.nvfp4.format import dequantize, quantize, relative_error  # noqa: E402
+from trl_qerl.nvfp4.linear import NVFP4Linear, kernels_for  # noqa: E402
+
+
+DEVICE = "cuda" if CUDA else "cpu"
+TOLERANCE = 1e-2
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def _weight(n, k, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return quantize((torch.randn(n, k, generator=generator) * 0.05).to(DEVICE))
+
+
+def _reference(x, quantized):
+    return x.double() @ dequantize(*quantized, dtype=torch.float64).T
+
+
+def _poison_allocator():
+    """Fill freed device memory with NaN so that an output element the kernel forgets to write shows up."""
+    if CUDA:
+        torch.empty(256 << 20, device="cuda", dtype=torch.uint8).fill_(0xFF)
+
+
+def _check(out, expected):
+    assert torch.isfinite(out).all()
+    assert relative_error(expected, out) < TOLERANCE
+
+
+# -- interpreter / any device ---------------------------------------------------------------------------------
+SMALL_CONFIGS = [
+    K.FusedConfig(16, 32, 128, 1),
+    K.FusedConfig(16, 64, 128, 2),
+    K.FusedConfig(32, 32, 256, 1),
+    K.FusedConfig(16, 16, 64, 3),
+]
+
+
+def test_gemv_matches_reference():
+    n, k = 100, 512
+    quantized = _weight(n, k, seed=11)
+    x = torch.randn(1, k, device=DEVICE).to(torch.float16)
+    for config in (K.FusedConfig(1, 32, 256, 2, gemv=True), K.FusedConfig(1, 64, 512, 1, gemv=True)):
+        _poison_allocator()
+        _check(K.fused_matmul(x, *quantized, config), _reference(x, quantized))
+    with pytest.raises(ValueError, match="needs one row"):
+        K.fused_matmul(x.repeat(2, 1), *quantized, K.FusedConfig(1, 32, 256, 1, gemv=True))
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 40])
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+def test_fused_matmul_matches_reference(m, config):
+    n, k = 100, 384  # N not a multiple of any block; K not a multiple of 256
+    quantized = _weight(n, k, seed=m)
+    x = torch.randn(m, k, device=DEVICE).to(torch.float16)
+    _poison_allocator()
+    _check(K.fused_matmul(x, *quantized, config), _reference(x, quantized))
+
+
+def test_fused_matmul_accepts_non_contiguous_inputs():
+    quantized = _weight(64, 256)
+    wide = torch.randn(5, 512, device=DEVICE).to(torch.float16)
+    x = wide[:, ::2]
+    assert not x.is_contiguous()
+    config = K.FusedConfig(16, 32, 128, 2)
+    assert torch.equal(K.fused_matmul(x, *quantized, config), K.fused_matmul(x.contiguous(), *quantized, config))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []))
+def test_dequantize_kernel_is_bit_exact(dtype):
+    quantized = _weight(48, 384, seed=3)
+    _poison_allocator()
+    assert torch.equal(K.dequantize_cuda(*quantized, dtype=dtype), dequantize(*quantized, dtype=dtype))
+
+
+def test_custom_ops_pass_opcheck():
+    quantized = _weight(64, 128)
+    x = torch.randn(5, 128, device=DEVICE)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    # (opcheck's schema test cannot compare fp8 tensors on CPU, so it is left out)
+    torch.library.opcheck(torch.ops.trl_qerl.nvfp4_linear.default, (x, *quantized), test_utils=utils)
+    torch.library.opcheck(
+        torch.ops.trl_qerl.nvfp4_grad_input.default, (torch.randn(5, 64, device=DEVICE), *quantized), test_utils=utils
+    )
+    torch.library.opcheck(torch.ops.trl_qerl.nvfp4_dequantize.default, (*quantized, torch.bfloat16), test_utils=utils)
+
+
+def test_ops_on_cpu_equal_the_reference():
+    quantized = quantize(torch.randn(64, 128))
+    x = torch.randn(3, 128)
+    assert torch.equal(torch.ops.trl_qerl.nvfp4_linear(x, *quantized), x @ dequantize(*quantized, dtype=x.dtype).T)
+    with pytest.raises(ValueError, match="x has 64 features"):
+        torch.ops.trl_qerl.nvfp4_linear(torch.randn(3, 64), *quantized)
+
+
+def test_kernel_choice_helpers(tmp_path):
+    assert [K.m_bucket(m) for m in (1, 2, 16, 17, 64, 65, 1000, 10**6)] == [1, 16, 16, 32, 64, 128, 1024, 8192]
+    decode = K.candidate_configs(1, 37888, 3584)
+    assert decode and all(isinstance(c, K.FusedConfig) and c.block_m in (1, 16) for c in decode)
+    assert any(c.gemv for c in decode) and not any(c.gemv for c in K.candidate_configs(2, 37888, 3584))
+    assert K.DEQUANT_CUBLAS in K.candidate_configs(4096, 3584, 3584)
+    narrow = K.heuristic_config(1, 3584, 18944, num_sms=132)
+    assert narrow.split_k > 1  # few output blocks: split K to fill the GPU
+    assert K.heuristic_config(1, 37888, 3584, num_sms=132).split_k == 1
+    chooser = K.KernelChooser(autotune=False)
+    chooser.choices = {"H200|bfloat16|16|4608|3584": K.FusedConfig(16, 64, 256, 2), "H200|bfloat16|4096|3584|3584": K.DEQUANT_CUBLAS}
+    chooser.save(tmp_path / "choices.json")
+    again = K.KernelChooser(autotune=False)
+    again.load(tmp_path / "choices.json")
+    assert again.choices == chooser.choices
+
+
+# -- GPU --------------------------------------------------------------------------------------------------------
+SHAPES = {  # (N, K) of Qwen2.5-7B projections, fused as vLLM fuses them
+    "qkv": (4608, 3584),
+    "o": (3584, 3584),
+    "gate_up": (37888, 3584),
+    "down": (3584, 18944),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "shape, dtype", [(name, torch.bfloat16) for name in sorted(SHAPES)] + [("o", torch.float16), ("down", torch.float16)]
+)
+@pytest.mark.parametrize("m", [1, 17, 100])
+def test_every_candidate_kernel_is_correct(shape, dtype, m):
+    n, k = SHAPES[shape]
+    quantized = _weight(n, k, seed=m)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    expected = _reference(x, quantized)
+    for candidate in K.candidate_configs(m, n, k):
+        _poison_allocator()
+        _check(K.run(x, *quantized, candidate), expected)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("m", [1, 3, 4, 16, 64, 256, 1024])
+def test_chosen_kernel_is_correct(shape, m):
+    n, k = SHAPES[shape]
+    quantized = _weight(n, k, seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    _poison_allocator()
+    _check(torch.ops.trl_qerl.nvfp4_linear(x, *quantized), _reference(x, quantized))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_inline_ptx_path_equals_pure_triton_path(dtype):
+    quantized = _weight(256, 1024, seed=7)
+    x = torch.randn(9, 1024, device="cuda").to(dtype)
+    config = K.FusedConfig(16, 64, 256, 2)
+    fast = K.fused_matmul(x, *quantized, config, use_asm=True)
+    plain = K.fused_matmul(x, *quantized, config, use_asm=False)
+    assert torch.equal(fast, plain)
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(
+            K.dequantize_cuda(*quantized, dtype=out_dtype, use_asm=True),
+            K.dequantize_cuda(*quantized, dtype=out_dtype, use_asm=False),
+        )
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 100, 2048])
+def test_grad_input_matches_reference(m):
+    quantized = _weight(4608, 3584, seed=m)
+    grad = torch.randn(m, 4608, device="cuda", dtype=torch.bfloat16)
+    expected = grad.double() @ dequantize(*quantized, dtype=torch.float64)
+    _poison_allocator()
+    _check(torch.ops.trl_qerl.nvfp4_grad_input(grad, *quantized), expected)
+
+
+@needs_cuda
+def test_linear_layer_uses_triton_on_cuda_and_trains():
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(512, 384).cuda()).to(torch.bfloat16)
+    assert kernels_for(torch.device("cuda")).name == "triton"
+    x = torch.randn(4, 7, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x)
+    out.float().pow(2).sum().backward()
+    dense = layer.dequantize_weight(torch.float64)
+    _check(out, x.double() @ dense.T + layer.bias.double())
+    x_ref = x.detach().double().requires_grad_(True)
+    (x_ref @ dense.T + layer.bias.double()).pow(2).sum().backward()
+    _check(x.grad, x_ref.grad)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 512))
+    return torch.nn.Sequential(
+        NVFP4Linear.from_linear(dense[0]), dense[1], NVFP4Linear.from_linear(dense[2])
+    ).cuda().to(torch.bfloat16)
+
+
+@needs_cuda
+def test_torch_compile_reduce_overhead_matches_eager():
+    model = _mlp()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):
+        x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+        # inductor fuses bias + SiLU in fp32 and rounds once, eager rounds after each op: close, not equal
+        _check(compiled(x).clone(), model(x).double())
+
+
+@needs_cuda
+def test_cuda_graph_capture_of_a_decode_step():
+    model = _mlp()
+    static_x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model(static_x)  # warm-up: picks and caches the kernels
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = model(static_x)
+    for _ in range(3):
+        static_x.copy_(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        assert torch.equal(static_out, model(static_x))
+
+
+@needs_cuda
+def test_compiled_backward_matches_eager():
+    model = _mlp()
+    compiled = torch.compile(model)
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    model(x).float().sum().backward()
+    compiled(x2).float().sum().backward()
+    _check(x2.grad, x.grad.double())

@@ -1,0 +1,597 @@
+"""Triton NVFP4 kernels for CUDA (Hopper first), registered as `torch.library` custom ops.
+
+Importing this module registers them as the CUDA kernels of `NVFP4Linear` (see `linear.register_kernels`);
+`linear.kernels_for` imports it the first time CUDA activations reach an NVFP4 layer.
+
+Kernels:
+
+* `_nvfp4_matmul_kernel`: ``out = x @ dequant(W).T`` with the packed E2M1 weights and FP8 block scales read
+  once and dequantised in registers, fp32 accumulation, the global scale applied in the epilogue. It computes
+  the transposed product ``W_tile @ x_tile.T`` so that the weight tile is the register-side MMA operand and a
+  handful of activation rows fill the MMA's narrow dimension (decode); split-K spreads small-N shapes over all
+  multiprocessors, its partial sums reduced by `_splitk_reduce_kernel`.
+* `_dequantize_kernel`: the dense weight, bit-identical to `format.dequantize`, used for large M (dequantise into
+  a temporary, then cuBLAS) and for the backward pass ``grad_out @ dequant(W)``.
+
+Each (shape, M bucket, dtype) picks among fused configurations and dequantise+cuBLAS by timing them the first
+time it is seen outside CUDA-graph capture (`NVFP4_AUTOTUNE=0` disables this and uses the heuristic).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .format import dequantize
+from .linear import NVFP4Kernels, register_kernels
+
+
+# -- Triton ---------------------------------------------------------------------------------------------------
+# Dequantisation works on int32 words of 8 codes (code j in bits 4j..4j+3, i.e. columns 8w..8w+7) and returns
+# eight tensors, code j times the block scale. Products of an E2M1 value (2 significant bits) and an FP8 scale
+# (4 significant bits) are exact in bf16/fp16, so both paths below give identical bits.
+#
+# bf16: the inline PTX moves each code's sign and magnitude into a bf16 bit pattern (two codes per 32-bit
+# register, Marlin's trick), which is E2M1 * 2^-126, then multiplies by the scale with one `mul.bf16x2`. The
+# caller passes the scale times 2^63 so the products stay normal bf16 numbers (E2M1 * scale * 2^-63) and
+# multiplies the accumulator back by 2^63 in the epilogue. fp16: the same with the fp16 bit layout (E2M1 *
+# 2^-14), one extra `mul.f16x2` by 2^14, and no boost.
+_BF16_BOOST = tl.constexpr(2.0**63)
+_TWO_POW_MINUS_126 = tl.constexpr(2.0**-126)
+
+
+@triton.jit
+def _e2m1x8_pure(words, scale, OUT_DTYPE: tl.constexpr):
+    """Reference Triton path of `_e2m1x8` (runs in the interpreter)."""
+    if OUT_DTYPE == tl.bfloat16:
+        factor = scale.to(tl.float32) * _TWO_POW_MINUS_126
+    else:
+        factor = scale.to(tl.float32)
+    o0 = (_code_value(words, 0) * factor).to(OUT_DTYPE)
+    o1 = (_code_value(words, 1) * factor).to(OUT_DTYPE)
+    o2 = (_code_value(words, 2) * factor).to(OUT_DTYPE)
+    o3 = (_code_value(words, 3) * factor).to(OUT_DTYPE)
+    o4 = (_code_value(words, 4) * factor).to(OUT_DTYPE)
+    o5 = (_code_value(words, 5) * factor).to(OUT_DTYPE)
+    o6 = (_code_value(words, 6) * factor).to(OUT_DTYPE)
+    o7 = (_code_value(words, 7) * factor).to(OUT_DTYPE)
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@triton.jit
+def _code_value(words, j: tl.constexpr):
+    """fp32 E2M1 value of code j of each word: fp16 bit trick (sign -> bit 15, magnitude -> bits 9-11) x 2^14."""
+    code = (words >> (4 * j)) & 0xF
+    bits = ((code & 0x8) << 12) | ((code & 0x7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _e2m1x8_asm(words, scale, OUT_DTYPE: tl.constexpr):
+    if OUT_DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 q, t, r0, r1, r2, r3, s2;
+            mov.b32 s2, {$9, $9};
+            and.b32 t, $8, 0x70007000;
+            shr.b32 t, t, 6;
+            lop3.b32 r3, $8, 0x80008000, t, 0xEA;
+            shl.b32 q, $8, 4;
+            and.b32 t, q, 0x70007000;
+            shr.b32 t, t, 6;
+            lop3.b32 r2, q, 0x80008000, t, 0xEA;
+            shl.b32 q, $8, 8;
+            and.b32 t, q, 0x70007000;
+            shr.b32 t, t, 6;
+            lop3.b32 r1, q, 0x80008000, t, 0xEA;
+            shl.b32 q, $8, 12;
+            and.b32 t, q, 0x70007000;
+            shr.b32 t, t, 6;
+            lop3.b32 r0, q, 0x80008000, t, 0xEA;
+            mul.rn.bf16x2 r0, r0, s2;
+            mul.rn.bf16x2 r1, r1, s2;
+            mul.rn.bf16x2 r2, r2, s2;
+            mul.rn.bf16x2 r3, r3, s2;
+            mov.b32 {$0, $4}, r0;
+            mov.b32 {$1, $5}, r1;
+            mov.b32 {$2, $6}, r2;
+            mov.b32 {$3, $7}, r3;
+            }
+            """,
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            args=[words, scale],
+            dtype=(tl.bfloat16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 q, t, r0, r1, r2, r3, s2, c;
+            mov.b32 s2, {$9, $9};
+            mov.b32 c, 0x74007400;
+            and.b32 t, $8, 0x70007000;
+            shr.b32 t, t, 3;
+            lop3.b32 r3, $8, 0x80008000, t, 0xEA;
+            shl.b32 q, $8, 4;
+            and.b32 t, q, 0x70007000;
+            shr.b32 t, t, 3;
+            lop3.b32 r2, q, 0x80008000, t, 0xEA;
+            shl.b32 q, $8, 8;
+            and.b32 t, q, 0x70007000;
+            shr.b32 t, t, 3;
+            lop3.b32 r1, q, 0x80008000, t, 0xEA;
+            shl.b32 q, $8, 12;
+            and.b32 t, q, 0x70007000;
+            shr.b32 t, t, 3;
+            lop3.b32 r0, q, 0x80008000, t, 0xEA;
+            mul.rn.f16x2 r0, r0, c;
+            mul.rn.f16x2 r1, r1, c;
+            mul.rn.f16x2 r2, r2, c;
+            mul.rn.f16x2 r3, r3, c;
+            mul.rn.f16x2 r0, r0, s2;
+            mul.rn.f16x2 r1, r1, s2;
+            mul.rn.f16x2 r2, r2, s2;
+            mul.rn.f16x2 r3, r3, s2;
+            mov.b32 {$0, $4}, r0;
+            mov.b32 {$1, $5}, r1;
+            mov.b32 {$2, $6}, r2;
+            mov.b32 {$3, $7}, r3;
+            }
+            """,
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            args=[words, scale],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+
+
+@triton.jit
+def _e2m1x8(words, scale, OUT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    if USE_ASM:
+        return _e2m1x8_asm(words, scale, OUT_DTYPE)
+    else:
+        return _e2m1x8_pure(words, scale, OUT_DTYPE)
+
+
+@triton.jit
+def _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Eight [ROWS, COLS // 8] tensors (code j of each word) -> [ROWS, COLS] in column order."""
+    even = tl.join(tl.join(o0, o4), tl.join(o2, o6))
+    odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
+    return tl.join(even, odd).reshape(ROWS, COLS)
+
+
+@triton.jit
+def _load_step(word_ptrs, scale_ptrs, x_ptrs, k_left, m_mask, WORDS: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr):  # fmt: skip
+    """One K step of packed words, FP8 scales and activations; ``k_left <= 0`` loads nothing (zeros)."""
+    if EVEN_K:  # a whole step or nothing: one uniform predicate
+        live = tl.full((1, 1), 1, tl.int1) & (k_left > 0)
+        words = tl.load(word_ptrs, mask=live, other=0, eviction_policy="evict_first")
+        scale = tl.load(scale_ptrs, mask=live, other=0.0, eviction_policy="evict_first")
+        x_t = tl.load(x_ptrs, mask=m_mask[None, :] & live, other=0.0)
+    else:
+        words = tl.load(word_ptrs, mask=(tl.arange(0, WORDS) < k_left // 8)[None, :], other=0,
+                        eviction_policy="evict_first")  # fmt: skip
+        scale = tl.load(scale_ptrs, mask=(tl.arange(0, WORDS // 2) < k_left // 16)[None, :], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+        x_t = tl.load(x_ptrs, mask=m_mask[None, :] & (tl.arange(0, BLOCK_K) < k_left)[:, None], other=0.0)
+    return words, scale, x_t
+
+
+@triton.jit
+def _nvfp4_matmul_kernel(
+    x_ptr, words_ptr, scale_ptr, global_scale_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_sn, stride_om, stride_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """Tile of ``out^T = W @ x^T``: weight rows on the MMA's wide side, activation rows on its narrow side."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    compute_dtype: tl.constexpr = x_ptr.dtype.element_ty
+    boost: tl.constexpr = _BF16_BOOST if compute_dtype == tl.bfloat16 else 1.0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    rows = tl.where(n_mask, offs_n, 0).to(tl.int64)  # clamped rows keep unmasked weight loads in bounds
+    WORDS: tl.constexpr = BLOCK_K // 8
+    offs_w = pid_k * WORDS + tl.arange(0, WORDS)
+    offs_s = pid_k * (WORDS // 2) + tl.arange(0, WORDS // 2)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    word_ptrs = words_ptr + rows[:, None] * stride_wn + offs_w[None, :]
+    scale_ptrs = scale_ptr + rows[:, None] * stride_sn + offs_s[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk
+
+    # Software pipelining by hand: the next step's weights are requested before this step's are dequantised,
+    # so the global-memory latency hides behind the dequantisation (Triton pipelines only loads that feed a dot).
+    STEP: tl.constexpr = BLOCK_K * SPLIT_K
+    words, scale, x_t = _load_step(word_ptrs, scale_ptrs, x_ptrs, K - pid_k * BLOCK_K, m_mask, WORDS, BLOCK_K, EVEN_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, STEP):
+        word_ptrs += SPLIT_K * WORDS
+        scale_ptrs += SPLIT_K * (WORDS // 2)
+        x_ptrs += STEP * stride_xk
+        next_words, next_scale, next_x_t = _load_step(
+            word_ptrs, scale_ptrs, x_ptrs, K - k0 - STEP, m_mask, WORDS, BLOCK_K, EVEN_K
+        )
+        scale = (scale.to(tl.float32) * boost).to(compute_dtype)
+        scale = tl.join(scale, scale).reshape(BLOCK_N, WORDS)  # one scale per 2 words
+        o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8(words, scale, compute_dtype, USE_ASM)
+        weight = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N, BLOCK_K)
+        acc += tl.dot(weight, x_t)
+        words, scale, x_t = next_words, next_scale, next_x_t
+
+    acc = acc * (boost / tl.load(global_scale_ptr))
+    out = out_ptr + pid_k * stride_split + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr, words_ptr, scale_ptr, global_scale_ptr, out_ptr,
+    N, K, stride_xk, stride_wn, stride_sn, stride_split,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """One activation row (decode, batch 1): fp32 FMAs instead of an MMA, so the dequantised weights never
+    leave registers. Requires K % (BLOCK_K * SPLIT_K) == 0."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    compute_dtype: tl.constexpr = x_ptr.dtype.element_ty
+    boost: tl.constexpr = _BF16_BOOST if compute_dtype == tl.bfloat16 else 1.0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    STEP: tl.constexpr = BLOCK_K * SPLIT_K
+    offs_w = pid_k * WORDS + tl.arange(0, WORDS)
+    word_ptrs = words_ptr + rows[:, None] * stride_wn + offs_w[None, :]
+    scale_ptrs = scale_ptr + rows[:, None] * stride_sn + (offs_w // 2)[None, :]
+    x_ptrs = x_ptr + offs_w * 8 * stride_xk
+
+    words = tl.load(word_ptrs, eviction_policy="evict_first")
+    scale = tl.load(scale_ptrs, eviction_policy="evict_first")
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, STEP):
+        live = tl.full((1, 1), 1, tl.int1) & (k0 + STEP < K)
+        next_words = tl.load(word_ptrs + SPLIT_K * WORDS, mask=live, other=0, eviction_policy="evict_first")
+        next_scale = tl.load(scale_ptrs + SPLIT_K * (WORDS // 2), mask=live, other=0.0, eviction_policy="evict_first")
+        o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8(words, (scale.to(tl.float32) * boost).to(compute_dtype),
+                                                 compute_dtype, USE_ASM)  # fmt: skip
+        acc += o0.to(tl.float32) * tl.load(x_ptrs + 0 * stride_xk).to(tl.float32)[None, :]
+        acc += o1.to(tl.float32) * tl.load(x_ptrs + 1 * stride_xk).to(tl.float32)[None, :]
+        acc += o2.to(tl.float32) * tl.load(x_ptrs + 2 * stride_xk).to(tl.float32)[None, :]
+        acc += o3.to(tl.float32) * tl.load(x_ptrs + 3 * stride_xk).to(tl.float32)[None, :]
+        acc += o4.to(tl.float32) * tl.load(x_ptrs + 4 * stride_xk).to(tl.float32)[None, :]
+        acc += o5.to(tl.float32) * tl.load(x_ptrs + 5 * stride_xk).to(tl.float32)[None, :]
+        acc += o6.to(tl.float32) * tl.load(x_ptrs + 6 * stride_xk).to(tl.float32)[None, :]
+        acc += o7.to(tl.float32) * tl.load(x_ptrs + 7 * stride_xk).to(tl.float32)[None, :]
+        word_ptrs += SPLIT_K * WORDS
+        scale_ptrs += SPLIT_K * (WORDS // 2)
+        x_ptrs += STEP * stride_xk
+        words, scale = next_words, next_scale
+    out = tl.sum(acc, axis=1) * (boost / tl.load(global_scale_ptr))
+    tl.store(out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):
+        acc += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(
+    words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """Dense weight, bit-identical to `format.dequantize`: E2M1 * fl(scale / global_scale), rounded once."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+    offs_s = tl.program_id(1) * (WORDS // 2) + tl.arange(0, WORDS // 2)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = offs_n[:, None].to(tl.int64)
+    n_mask = offs_n[:, None] < N
+    words = tl.load(words_ptr + rows * (K // 8) + offs_w[None, :], mask=n_mask & (offs_w[None, :] < K // 8), other=0)
+    scale = tl.load(scale_ptr + rows * (K // 16) + offs_s[None, :], mask=n_mask & (offs_s[None, :] < K // 16),
+                    other=0.0).to(tl.float32)  # fmt: skip
+    step = tl.math.div_rn(scale, tl.load(global_scale_ptr))  # IEEE division, as torch does
+    # exact E2M1 * 2^-63 in bf16 (scale argument 1 * boost), then one fp32 product with the step
+    unit = tl.full((BLOCK_N, WORDS), _BF16_BOOST, tl.float32).to(tl.bfloat16)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8(words, unit, tl.bfloat16, USE_ASM)
+    values = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N, BLOCK_K).to(tl.float32)
+    step = tl.broadcast_to(step[:, :, None], (BLOCK_N, WORDS // 2, 16)).reshape(BLOCK_N, BLOCK_K)
+    dense = values * (step * _BF16_BOOST)
+    tl.store(out_ptr + rows * K + offs_k[None, :], dense.to(out_ptr.dtype.element_ty),
+             mask=n_mask & (offs_k[None, :] < K))  # fmt: skip
+
+
+# -- launchers ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FusedConfig:
+    """One launch configuration of `_nvfp4_matmul_kernel`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    gemv: bool = False
+    """Use the one-row FMA kernel (M == 1, K a multiple of block_k * split_k) instead of the MMA kernel."""
+
+    def __str__(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        kind = "gemv" if self.gemv else "fused"
+        return f"{kind} {self.block_m}x{self.block_n}x{self.block_k}{split} w{self.num_warps}s{self.num_stages}"
+
+
+DEQUANT_CUBLAS = "dequantize+cublas"
+
+
+def _use_asm() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("NVFP4_TRITON_ASM", "1") != "0"
+
+
+def fused_matmul(x: torch.Tensor, weight_packed, weight_scale, weight_global_scale, config: FusedConfig, use_asm=None):
+    """``x[M, K] @ dequant(W).T`` with one fused kernel (plus a reduction when split-K)."""
+    m, k = x.shape
+    n = weight_packed.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    split = config.split_k
+    target = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
+    use_asm = _use_asm() if use_asm is None else use_asm
+    if config.gemv:
+        if m != 1 or k % (config.block_k * split):
+            raise ValueError(f"{config} needs one row and K divisible by {config.block_k * split}; got M={m}, K={k}.")
+        _nvfp4_gemv_kernel[grid](
+            x, weight_packed.view(torch.int32), weight_scale, weight_global_scale, target,
+            n, k, x.stride(1), k // 8, k // 16, m * n,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, USE_ASM=use_asm,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    else:
+        _launch_matmul(x, weight_packed, weight_scale, weight_global_scale, target, config, use_asm)
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLIT_K=split, BLOCK=block)
+    return out
+
+
+def _launch_matmul(x, weight_packed, weight_scale, weight_global_scale, target, config, use_asm):
+    m, k = x.shape
+    n = weight_packed.shape[0]
+    split = config.split_k
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
+    _nvfp4_matmul_kernel[grid](
+        x, weight_packed.view(torch.int32), weight_scale, weight_global_scale, target,
+        m, n, k,
+        x.stride(0), x.stride(1), k // 8, k // 16, n, m * n,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+        EVEN_K=k % (config.block_k * split) == 0, USE_ASM=use_asm,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def dequantize_cuda(weight_packed, weight_scale, weight_global_scale, dtype=torch.bfloat16, use_asm=None):
+    """Dense ``[N, K]`` weight on the GPU, bit-identical to `format.dequantize`."""
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
+    block_n, block_k = 16, 256
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    _dequantize_kernel[grid](
+        weight_packed.view(torch.int32), weight_scale, weight_global_scale, out, n, k,
+        BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=_use_asm() if use_asm is None else use_asm, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale):
+    return torch.nn.functional.linear(x, dequantize_cuda(weight_packed, weight_scale, weight_global_scale, x.dtype))
+
+
+# -- choosing a kernel ----------------------------------------------------------------------------------------
+def m_bucket(m: int) -> int:
+    """Row-count bucket that shares one kernel choice: 1 (a GEMV may win), 16 for 2-16 rows (the MMA tile is 16
+    rows anyway), then powers of two up to 8192."""
+    if m == 1:
+        return 1
+    return min(max(16, 1 << max(0, (m - 1).bit_length())), 8192)
+
+
+def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[FusedConfig | str]:
+    """Configurations worth timing for this shape: fused tiles (with split-K for decode), GEMVs for one row, and,
+    above 16 rows, dequantise+cuBLAS."""
+    bucket = m_bucket(m)
+    if bucket > 64:
+        tiles = [(64, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8), (256, 128, 64, 8)]
+        fused = [FusedConfig(bm, bn, bk, 1, warps, 3) for bm, bn, bk, warps in tiles if bm <= bucket]
+        return [*fused, DEQUANT_CUBLAS]
+
+    def splits(block_n, block_k, exact):
+        for split in (1, 2, 4, 8):
+            too_many = split > 1 and triton.cdiv(n, block_n) * split > 8 * num_sms
+            if k >= block_k * split and not too_many and not (exact and k % (block_k * split)):
+                yield split
+
+    candidates: list[FusedConfig | str] = []
+    for block_n in (32, 64, 128):
+        for block_k in (128, 256):
+            for split in splits(block_n, block_k, exact=False):
+                candidates.append(FusedConfig(max(16, bucket), block_n, block_k, split, 4, 4 if bucket <= 16 else 3))
+    if bucket == 1:
+        for block_n, block_k in ((32, 256), (64, 256), (32, 512)):  # larger tiles spill registers
+            for split in splits(block_n, block_k, exact=True):
+                candidates.append(FusedConfig(1, block_n, block_k, split, 4, 1, gemv=True))
+    return candidates + ([DEQUANT_CUBLAS] if bucket > 16 else [])
+
+
+def heuristic_config(m: int, n: int, k: int, num_sms: int) -> FusedConfig | str:
+    """A reasonable choice without timing: fill the GPU with (N blocks x split-K) programs."""
+    if m > 64:
+        return DEQUANT_CUBLAS
+    block_n, block_k = 64, 256 if k >= 512 else 128
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < 2 * num_sms and k >= block_k * split * 2:
+        split *= 2
+    return FusedConfig(max(16, m_bucket(m)), block_n, block_k, split, 4, 4)
+
+
+class KernelChooser:
+    """Caches the fastest kernel per (device name, dtype, M bucket, N, K), timing the candidates the first time
+    a key is seen outside CUDA-graph capture. ``NVFP4_AUTOTUNE=0`` uses `heuristic_config` instead; `save`/`load`
+    keep the choices across runs (``NVFP4_KERNEL_CHOICES=<json>`` loads a file at import)."""
+
+    def __init__(self, autotune: bool | None = None) -> None:
+        self.autotune = os.environ.get("NVFP4_AUTOTUNE", "1") != "0" if autotune is None else autotune
+        self.choices: dict[str, FusedConfig | str] = {}
+
+    @staticmethod
+    def key(x: torch.Tensor, n: int, k: int) -> str:
+        return f"{torch.cuda.get_device_name(x.device)}|{str(x.dtype).removeprefix('torch.')}|{m_bucket(x.shape[0])}|{n}|{k}"
+
+    def choose(self, x, weight_packed, weight_scale, weight_global_scale) -> FusedConfig | str:
+        m, k = x.shape
+        n = weight_packed.shape[0]
+        key = self.key(x, n, k)
+        if key in self.choices:
+            return self.choices[key]
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        if not self.autotune or torch.cuda.is_current_stream_capturing():
+            return heuristic_config(m, n, k, num_sms)
+        self.choices[key] = self._fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms)
+        return self.choices[key]
+
+    @staticmethod
+    def _fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms):
+        n, k = weight_packed.shape[0], x.shape[1]
+        rows = min(x.shape[0], 8192) if x.shape[0] > 64 else m_bucket(x.shape[0])
+        probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
+        timings = {}
+        for candidate in candidate_configs(rows, n, k, num_sms):
+            try:
+                timings[candidate] = triton.testing.do_bench(
+                    lambda c=candidate: run(probe, weight_packed, weight_scale, weight_global_scale, c),
+                    warmup=2,
+                    rep=6,
+                    return_mode="median",
+                )
+            except (triton.runtime.errors.OutOfResources, RuntimeError):
+                continue
+        return min(timings, key=timings.get)
+
+    def save(self, path: str) -> None:
+        table = {key: c if isinstance(c, str) else asdict(c) for key, c in sorted(self.choices.items())}
+        with open(path, "w") as handle:
+            json.dump(table, handle, indent=1)
+
+    def load(self, path: str) -> None:
+        with open(path) as handle:
+            table = json.load(handle)
+        self.choices.update({key: c if isinstance(c, str) else FusedConfig(**c) for key, c in table.items()})
+
+
+def run(x, weight_packed, weight_scale, weight_global_scale, choice: FusedConfig | str) -> torch.Tensor:
+    if choice == DEQUANT_CUBLAS:
+        return _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
+    return fused_matmul(x, weight_packed, weight_scale, weight_global_scale, choice)
+
+
+CHOOSER = KernelChooser()
+if os.environ.get("NVFP4_KERNEL_CHOICES"):
+    CHOOSER.load(os.environ["NVFP4_KERNEL_CHOICES"])
+
+
+# -- custom ops -----------------------------------------------------------------------------------------------
+def _dense(weight_packed, weight_scale, weight_global_scale, dtype):
+    if weight_packed.device.type == "cuda":
+        return dequantize_cuda(weight_packed, weight_scale, weight_global_scale, dtype)
+    return dequantize(weight_packed, weight_scale, weight_global_scale, dtype=dtype)
+
+
+@torch.library.custom_op("trl_qerl::nvfp4_linear", mutates_args=())
+def nvfp4_linear_op(
+    x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor
+) -> torch.Tensor:
+    """``x[M, K] @ dequant(W[N, K]).T`` (no bias)."""
+    if x.shape[-1] != weight_packed.shape[1] * 2:
+        raise ValueError(f"nvfp4_linear: x has {x.shape[-1]} features, the weight expects {weight_packed.shape[1] * 2}.")
+    if x.device.type != "cuda" or x.dtype == torch.float32 or x.shape[0] == 0:
+        # fp32 activations keep full precision: tl.dot would round them to tf32
+        return torch.nn.functional.linear(x, _dense(weight_packed, weight_scale, weight_global_scale, x.dtype))
+    choice = CHOOSER.choose(x, weight_packed, weight_scale, weight_global_scale)
+    return run(x, weight_packed, weight_scale, weight_global_scale, choice)
+
+
+@nvfp4_linear_op.register_fake
+def _(x, weight_packed, weight_scale, weight_global_scale):
+    return x.new_empty(x.shape[0], weight_packed.shape[0])
+
+
+@torch.library.custom_op("trl_qerl::nvfp4_grad_input", mutates_args=())
+def nvfp4_grad_input_op(
+    grad_out: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor
+) -> torch.Tensor:
+    """``grad_out[M, N] @ dequant(W[N, K])``: the input gradient LoRA needs (frozen base weights get none).
+
+    The dense weight is a temporary that the caching allocator hands to the next layer; nothing dense outlives
+    the call."""
+    return grad_out @ _dense(weight_packed, weight_scale, weight_global_scale, grad_out.dtype)
+
+
+@nvfp4_grad_input_op.register_fake
+def _(grad_out, weight_packed, weight_scale, weight_global_scale):
+    return grad_out.new_empty(grad_out.shape[0], weight_packed.shape[1] * 2)
+
+
+@torch.library.custom_op("trl_qerl::nvfp4_dequantize", mutates_args=())
+def nvfp4_dequantize_op(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dense weight, bit-identical to `format.dequantize` (Triton on CUDA)."""
+    return _dense(weight_packed, weight_scale, weight_global_scale, dtype)
+
+
+@nvfp4_dequantize_op.register_fake
+def _(weight_packed, weight_scale, weight_global_scale, dtype):
+    return weight_packed.new_empty(weight_packed.shape[0], weight_packed.shape[1] * 2, dtype=dtype)
+
+
+CUDA_KERNELS = NVFP4Kernels(
+    linear=torch.ops.trl_qerl.nvfp4_linear,
+    grad_input=torch.ops.trl_qerl.nvfp4_grad_input,
+    name="triton",
+)
+register_kernels("cuda", CUDA_KERNELS)
+
+__all__ = [
+    "CHOOSER",
+    "CUDA_KERNELS",
+    "DEQUANT_CUBLAS",
+    "FusedConfig",
+    "KernelChooser",
+    "candidate_configs",
+    "dequantize_cuda",
+    "fused_matmul",
+    "heuristic_config",
+    "m_bucket",
+]
