@@ -29,7 +29,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .nvfp4.format import GROUP_SIZE, check_packed, check_quantizable, dequantize, quantize, shared_global_scale
+from .nvfp4.format import GROUP_SIZE, check_packed, check_quantizable, quantize, shared_global_scale
 from .nvfp4.linear import QUANTIZED_TENSOR_NAMES, NVFP4Linear, nvfp4_modules
 
 
@@ -228,11 +228,22 @@ class NVFP4HfQuantizer(HfQuantizer):
 
     # -- conversion ------------------------------------------------------------------------------------------
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        config: NVFP4Config = self.quantization_config
         _check_safetensors_only(checkpoint_files)
+        converted = self.select_linears(model)
+        for name in converted:
+            model.set_submodule(name, self._nvfp4_placeholder(model.get_submodule(name)))
+        self._group_of = _shared_scale_groups(converted, self.quantization_config.shared_scale_groups)
+        if self.pre_quantized and checkpoint_files:
+            _check_checkpoint_tensors(checkpoint_files, {n: model.get_submodule(n) for n in converted})
+        return model
+
+    def select_linears(self, model) -> list[str]:
+        """Names of the Linear layers to quantise; records the rest in ``quantization_config.ignore`` and warns
+        once about layers kept in 16-bit because ``in_features`` is not a multiple of 16."""
+        config: NVFP4Config = self.quantization_config
         keep = self.get_modules_to_not_convert(model, config.modules_to_not_convert, add_default_skips=True)
         ignored, unaligned, converted = [], [], []
-        for name, module in list(model.named_modules()):
+        for name, module in model.named_modules():
             if not isinstance(module, nn.Linear):
                 continue
             if _matches(name, module, keep) or (self.pre_quantized and _matches(name, module, config.ignore)):
@@ -247,19 +258,15 @@ class NVFP4HfQuantizer(HfQuantizer):
                     )
                 unaligned.append(name)
             else:
-                model.set_submodule(name, self._nvfp4_placeholder(module))
                 converted.append(name)
         if unaligned:
             warnings.warn(
                 f"Keeping {len(unaligned)} Linear layer(s) in 16-bit because in_features is not a multiple of "
                 f"{GROUP_SIZE}: {', '.join(unaligned)}.",
-                stacklevel=2,
+                stacklevel=3,
             )
         config.ignore = sorted(set(ignored + unaligned))
-        self._group_of = _shared_scale_groups(converted, config.shared_scale_groups)
-        if self.pre_quantized and checkpoint_files:
-            _check_checkpoint_tensors(checkpoint_files, {n: model.get_submodule(n) for n in converted})
-        return model
+        return converted
 
     def _nvfp4_placeholder(self, linear: nn.Linear) -> NVFP4Linear:
         bias = linear.bias
@@ -269,6 +276,7 @@ class NVFP4HfQuantizer(HfQuantizer):
                 linear.out_features,
                 bias=bias is not None,
                 dtype=bias.dtype if bias is not None else None,
+                compute_dtype=linear.weight.dtype,
             )
             if not self.pre_quantized:
                 # The 16-bit checkpoint weight loads into this placeholder's name and is converted at once.
@@ -420,6 +428,40 @@ def _check_loaded_layer(name: str, layer: NVFP4Linear) -> None:
         raise ValueError(f"{name}: weight_scale holds NaN/Inf values; the checkpoint is corrupt.")
 
 
+def quantize_model(model, config: NVFP4Config | None = None):
+    """Quantise an already-loaded 16-bit model to NVFP4 in place and return it.
+
+    For model instances built in memory (``from_pretrained(..., quantization_config=NVFP4Config())`` is the
+    memory-frugal path for checkpoints: this one needs the 16-bit model in memory first). Shared-scale groups,
+    skipped layers and the saved format are the same as on load.
+    """
+    if getattr(model, "is_quantized", False):
+        if getattr(model, "quantization_method", None) == QUANT_METHOD:
+            return model
+        raise ValueError(
+            f"The model is already quantised with {getattr(model, 'quantization_method', 'another method')!r}; "
+            "load it in 16-bit to quantise it to NVFP4."
+        )
+    config = config or NVFP4Config()
+    quantizer = NVFP4HfQuantizer(config, pre_quantized=False)
+    converted = quantizer.select_linears(model)
+    for group in dict.fromkeys(_shared_scale_groups(converted, config.shared_scale_groups).values()):
+        linears = [model.get_submodule(name) for name in group]
+        global_scale = shared_global_scale([linear.weight for linear in linears])
+        for name, linear in zip(group, linears):
+            model.set_submodule(name, NVFP4Linear.from_linear(linear, global_scale, name=name))
+    for name in converted:
+        if not isinstance(model.get_submodule(name), NVFP4Linear):  # layers outside any shared-scale group
+            model.set_submodule(name, NVFP4Linear.from_linear(model.get_submodule(name), name=name))
+    quantizer.pre_quantized = True  # from now on the model holds packed tensors
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    model.hf_quantizer = quantizer
+    model.config.quantization_config = config
+    model.config._is_quantized = True
+    return model
+
+
 def register() -> None:
     """Register `NVFP4Config` and `NVFP4HfQuantizer` with transformers (idempotent)."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
@@ -435,6 +477,6 @@ __all__ = [
     "NVFP4HfQuantizer",
     "QUANT_METHOD",
     "check_compressed_tensors_config",
-    "dequantize",
+    "quantize_model",
     "register",
 ]

@@ -127,6 +127,8 @@ class NVFP4Linear(nn.Module):
         bias: whether the layer has a (trainable-capable) bias.
         device: where to allocate the (empty) tensors.
         dtype: dtype of the bias.
+        compute_dtype: dtype of the activations this layer normally sees (what LoRA adapters on top use);
+            defaults to ``dtype`` or bf16.
 
     The quantised tensors are frozen ``nn.Parameter`` s (PEFT requires a layer to own a parameter), typed as in
     compressed-tensors checkpoints: ``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn
@@ -141,6 +143,7 @@ class NVFP4Linear(nn.Module):
         bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if in_features % GROUP_SIZE != 0:
@@ -150,6 +153,7 @@ class NVFP4Linear(nn.Module):
             )
         self.in_features = in_features
         self.out_features = out_features
+        self.compute_dtype = compute_dtype or dtype or torch.bfloat16
         self.weight_packed = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.weight_scale = _frozen(
             torch.empty(out_features, in_features // GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device)
@@ -171,6 +175,7 @@ class NVFP4Linear(nn.Module):
             bias=linear.bias is not None,
             device=linear.weight.device,
             dtype=linear.bias.dtype if linear.bias is not None else None,
+            compute_dtype=linear.weight.dtype,
         )
         layer.load_quantized(quantize(linear.weight, global_scale, name=name))
         if linear.bias is not None:

@@ -1,0 +1,276 @@
+"""LoRA on NVFP4 layers through PEFT: the layer, its registration, adapter loading, and merged export.
+
+PEFT learns about `NVFP4Linear` through its custom-module mechanism (`LoraConfig._register_custom_module`), so
+``get_peft_model`` works on an NVFP4 model as on a 16-bit one. The registration is not saved with the adapter:
+`load_adapter` re-registers it. Saved adapters are plain PEFT adapters (standard key names): a PEFT user loads
+them onto the 16-bit base model without this package.
+
+Merging LoRA into 4-bit weights (dequantise, add, requantise) rounds away every update smaller than one E2M1
+step, so `LoraNVFP4Linear.merge` refuses; `merge_and_export` merges into the 16-bit master weights instead and
+can quantise the result afresh.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from peft import LoraConfig, PeftModel
+from peft import get_peft_model as peft_get_peft_model
+from peft.tuners.lora.layer import LoraLayer
+from torch import nn
+
+from .nvfp4.linear import NVFP4Linear
+from .quantizer import NVFP4Config
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The seven projections of a Llama/Qwen/Mistral decoder layer, the paper's LoRA targets."""
+TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")
+"""The RMSNorms that QeRL's reference scripts train alongside LoRA (and that AQN perturbs)."""
+
+_MERGE_REFUSAL = (
+    "Merging a LoRA adapter into NVFP4 weights would dequantise, add and requantise, rounding away every update "
+    "smaller than one E2M1 step. Keep the adapter separate (vLLM and trl-qerl apply it unmerged), or call "
+    "`trl_qerl.merge_and_export(model, output_dir, base_model=<16-bit checkpoint>)` to merge into the 16-bit "
+    "master weights and optionally quantise the result afresh."
+)
+
+
+class LoraNVFP4Linear(nn.Module, LoraLayer):
+    """LoRA adapters (16-bit) on top of a frozen `NVFP4Linear`: ``y = base(x) + B(A(dropout(x))) * scaling``.
+
+    Dtype and device handling follow PEFT's bitsandbytes 4-bit layer: adapters are created in the base layer's
+    compute dtype on its device (``get_peft_model(autocast_adapter_dtype=True)``, PEFT's default, then upcasts
+    them to fp32), inputs are cast to the adapter dtype and the output back.
+    """
+
+    def __init__(
+        self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, r: int = 0, lora_alpha: int = 1, **kwargs
+    ) -> None:
+        for option, unsupported in (
+            ("lora_bias", config.lora_bias),
+            ("use_dora", config.use_dora),
+            ("init_lora_weights", isinstance(config.init_lora_weights, str) and config.init_lora_weights != "gaussian"),
+        ):
+            if unsupported:
+                raise ValueError(
+                    f"{type(self).__name__} does not support {option}={getattr(config, option)!r} (it needs the "
+                    f"dense base weight); use the default LoRA settings for NVFP4 layers."
+                )
+        super().__init__()
+        LoraLayer.__init__(self, base_layer)
+        self.fan_in_fan_out = False
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    def _get_base_layer_device_and_dtype(self, base_layer):
+        # PEFT looks for `weight`/`qweight`; an NVFP4 layer has packed tensors and a compute dtype instead.
+        return base_layer.weight_packed.device, base_layer.compute_dtype
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        raise ValueError(_MERGE_REFUSAL)
+
+    def unmerge(self) -> None:
+        # Nothing is ever merged into the packed weights, so there is nothing to undo.
+        return None
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """``B @ A * scaling`` in the adapter dtype: the update a merge into 16-bit weights adds."""
+        weight_a, weight_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        return (weight_b @ weight_a) * self.scaling[adapter]
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if self.disable_adapters:
+            return self.base_layer(x, *args, **kwargs)
+        if adapter_names is not None:
+            return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        for active_adapter in self.active_adapters:
+            if active_adapter not in self.lora_A:
+                continue
+            lora_a, lora_b = self.lora_A[active_adapter], self.lora_B[active_adapter]
+            dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
+            cast = not torch.is_autocast_enabled()
+            adapter_input = self._cast_input_dtype(x, lora_a.weight.dtype) if cast else x
+            output = lora_b(lora_a(dropout(adapter_input))) * scaling
+            result = result + (output.to(result.dtype) if cast else output)
+        return result
+
+    def __repr__(self) -> str:
+        return "lora." + super().__repr__()
+
+
+@contextmanager
+def _registered_layer_is_supported() -> Iterator[None]:
+    # PEFT warns "Unsupported layer type" for any non-nn.Linear base layer, registered or not.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*NVFP4Linear")
+        yield
+
+
+def register_nvfp4_lora(config: LoraConfig) -> LoraConfig:
+    """Teach ``config`` (in place, and return it) to put `LoraNVFP4Linear` on `NVFP4Linear` layers."""
+    config._register_custom_module({NVFP4Linear: LoraNVFP4Linear})
+    return config
+
+
+def _linear_leaf_names(model: nn.Module) -> list[str]:
+    """Leaf names of the Linear-like layers a LoRA can target, output embedding excluded."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {
+        name.rpartition(".")[2]
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, NVFP4Linear)) and module is not output
+    }
+    return sorted(names)
+
+
+def resolve_target_modules(model: nn.Module, target_modules: str | Sequence[str] | None) -> list[str]:
+    """The projections to put LoRA on: the seven decoder projections by default, every Linear-like layer but the
+    output embedding for ``"all-linear"`` (PEFT's own "all-linear" does not see NVFP4 layers), or an explicit list
+    checked against the model."""
+    available = _linear_leaf_names(model)
+    if target_modules is None:
+        chosen = [name for name in PROJECTIONS if name in available]
+        if not chosen:
+            raise ValueError(
+                f"None of the default LoRA targets {list(PROJECTIONS)} is a Linear layer of this model; pass "
+                f"target_modules explicitly. Linear layers found: {available}."
+            )
+        return chosen
+    if target_modules == "all-linear":
+        return available
+    chosen = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    missing = [name for name in chosen if name not in available]
+    if missing:
+        raise ValueError(f"LoRA target_modules {missing} are not Linear layers of this model; found {available}.")
+    return chosen
+
+
+def nvfp4_lora_config(
+    model: nn.Module | None = None,
+    r: int = 32,
+    lora_alpha: int | None = None,
+    lora_dropout: float = 0.0,
+    target_modules: str | Sequence[str] | None = None,
+    train_norms: bool = True,
+    **kwargs: Any,
+) -> LoraConfig:
+    """The paper's LoRA setting as a registered `LoraConfig`.
+
+    Args:
+        model: used to resolve and check ``target_modules`` (recommended).
+        r: LoRA rank (paper's main tables: 32).
+        lora_alpha: scaling numerator; defaults to ``2 * r``.
+        lora_dropout: dropout on the adapter input (0 in the paper).
+        target_modules: None for the seven decoder projections, ``"all-linear"``, or a list of leaf names.
+        train_norms: also train ``input_layernorm`` and ``post_attention_layernorm`` (PEFT ``modules_to_save``), as
+            QeRL's reference scripts do; saved adapters stay loadable by plain PEFT.
+        **kwargs: any other `LoraConfig` field.
+    """
+    if not isinstance(r, int) or r <= 0:
+        raise ValueError(f"LoRA rank must be a positive integer, got r={r!r}.")
+    if lora_dropout < 0 or lora_dropout >= 1:
+        raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}.")
+    if model is not None:
+        targets = resolve_target_modules(model, target_modules)
+    elif target_modules == "all-linear":
+        raise ValueError("target_modules='all-linear' needs the model to resolve NVFP4 layers: pass model=...")
+    else:
+        targets = list(PROJECTIONS) if target_modules is None else target_modules
+    modules_to_save = list(kwargs.pop("modules_to_save", None) or [])
+    if train_norms:
+        modules_to_save += [name for name in TRAINED_NORMS if name not in modules_to_save]
+    config = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
+        lora_dropout=lora_dropout,
+        target_modules=targets,
+        modules_to_save=modules_to_save or None,
+        task_type=kwargs.pop("task_type", "CAUSAL_LM"),
+        **kwargs,
+    )
+    return register_nvfp4_lora(config)
+
+
+def get_peft_model(model: nn.Module, config: LoraConfig | None = None, **kwargs: Any) -> PeftModel:
+    """`peft.get_peft_model` for NVFP4 models: registers the NVFP4 LoRA layer and resolves ``"all-linear"``."""
+    if config is None:
+        config = nvfp4_lora_config(model)
+    if config.target_modules == "all-linear":
+        config.target_modules = resolve_target_modules(model, "all-linear")
+    if isinstance(config, LoraConfig):
+        if config.r <= 0:
+            raise ValueError(f"LoRA rank must be a positive integer, got r={config.r}.")
+        register_nvfp4_lora(config)
+    with _registered_layer_is_supported():
+        return peft_get_peft_model(model, config, **kwargs)
+
+
+def load_adapter(
+    model: nn.Module, adapter_path: str | os.PathLike, is_trainable: bool = False, **kwargs: Any
+) -> PeftModel:
+    """Load a saved LoRA adapter onto an NVFP4 (or 16-bit) base model, re-registering the NVFP4 LoRA layer."""
+    config = register_nvfp4_lora(LoraConfig.from_pretrained(str(adapter_path)))
+    with _registered_layer_is_supported():
+        return PeftModel.from_pretrained(model, str(adapter_path), config=config, is_trainable=is_trainable, **kwargs)
+
+
+def merge_and_export(
+    model: PeftModel,
+    output_dir: str | os.PathLike,
+    base_model: str | os.PathLike | None = None,
+    export_format: Literal["bf16", "nvfp4"] = "bf16",
+    dtype: torch.dtype = torch.bfloat16,
+    quantization_config: NVFP4Config | None = None,
+    **load_kwargs: Any,
+) -> str:
+    """Merge LoRA adapters (and trained norms) into the 16-bit master weights and save a checkpoint.
+
+    Args:
+        model: a trained `PeftModel` (on an NVFP4 or 16-bit base).
+        output_dir: where to write the merged checkpoint.
+        base_model: the 16-bit checkpoint whose weights the adapter is merged into; defaults to the adapter's
+            ``base_model_name_or_path``. It must not be an NVFP4 checkpoint: its rounding is already baked in.
+        export_format: ``"bf16"`` for a 16-bit checkpoint, ``"nvfp4"`` for a fresh compressed-tensors NVFP4 one.
+        dtype: dtype of the 16-bit master weights.
+        quantization_config: options for the NVFP4 export.
+        **load_kwargs: passed to ``from_pretrained`` of the base (``device_map``, ``trust_remote_code``, ...).
+
+    Returns:
+        ``output_dir`` as a string.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .loading import from_pretrained
+
+    if export_format not in ("bf16", "nvfp4"):
+        raise ValueError(f"export_format must be 'bf16' or 'nvfp4', got {export_format!r}.")
+    adapter_name = model.active_adapter
+    source = base_model or model.peft_config[adapter_name].base_model_name_or_path
+    if not source:
+        raise ValueError("The adapter does not record its base model; pass base_model=<16-bit checkpoint>.")
+    if getattr(AutoConfig.from_pretrained(source), "quantization_config", None) is not None:
+        raise ValueError(f"{source} is a quantised checkpoint; merging needs the 16-bit master weights (base_model=...).")
+    with tempfile.TemporaryDirectory() as adapter_dir:
+        model.save_pretrained(adapter_dir, selected_adapters=[adapter_name])
+        dense = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **load_kwargs)
+        merged = PeftModel.from_pretrained(dense, os.path.join(adapter_dir, *([] if adapter_name == "default" else [adapter_name])))
+        merged = merged.merge_and_unload()
+    if export_format == "bf16":
+        merged.save_pretrained(output_dir)
+        return str(output_dir)
+    with tempfile.TemporaryDirectory() as dense_dir:
+        merged.save_pretrained(dense_dir)
+        del merged
+        quantized = from_pretrained(dense_dir, quantization_config=quantization_config, dtype=dtype, **load_kwargs)
+        quantized.save_pretrained(output_dir)
+    return str(output_dir)
