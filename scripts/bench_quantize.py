@@ -19,12 +19,10 @@ import json
 import os
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
-from model_shapes import NAMES, qwen25_config
-from safetensors.torch import save_file
+from model_shapes import NAMES, WEIGHT_STD, qwen25_config, random_tensor, write_checkpoint
 from transformers import AutoModelForCausalLM
 
 from trl_qerl import NVFP4Config, NVFP4Linear
@@ -32,40 +30,6 @@ from trl_qerl.nvfp4.format import relative_error
 
 
 GB = 1e9
-WEIGHT_STD = 0.02
-
-
-def _random_tensor(name: str, shape, device, std=WEIGHT_STD) -> torch.Tensor:
-    """Deterministic per name, so the original can be regenerated after loading."""
-    generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
-    return (torch.randn(shape, generator=generator, device=device) * std).to(torch.bfloat16)
-
-
-def write_checkpoint(config, path: Path, device: str) -> int:
-    """Random bf16 checkpoint, one shard per layer; returns its tensor bytes."""
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    shards: dict[str, list[str]] = {}
-    for name in shapes:
-        key = f"layer{name.split('.')[2]}" if name.startswith("model.layers.") else "other"
-        shards.setdefault(key, []).append(name)
-    weight_map, total = {}, 0
-    for index, (key, names) in enumerate(sorted(shards.items())):
-        filename = f"model-{index:05d}.safetensors"
-        tensors = {}
-        for name in names:
-            is_norm = "norm" in name
-            tensor = torch.ones(shapes[name], dtype=torch.bfloat16) if is_norm else _random_tensor(name, shapes[name], device)
-            tensors[name] = tensor.cpu()
-            total += tensor.numel() * tensor.element_size()
-        save_file(tensors, path / filename, metadata={"format": "pt"})
-        weight_map.update({name: filename for name in names})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    config.save_pretrained(path)
-    return total
 
 
 def model_bytes(model) -> int:
@@ -105,7 +69,7 @@ def main() -> None:
     errors, sq_err, sq_ref = [], 0.0, 0.0
     for name, layer in model.named_modules():
         if isinstance(layer, NVFP4Linear):
-            original = _random_tensor(f"{name}.weight", (layer.out_features, layer.in_features), args.device).float()
+            original = random_tensor(f"{name}.weight", (layer.out_features, layer.in_features), args.device).float()
             dense = layer.dequantize_weight(torch.float32)
             errors.append(relative_error(original, dense))
             sq_err += (dense - original).double().pow(2).sum().item()

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from transformers import Qwen2Config
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+
+WEIGHT_STD = 0.02
 
 
 _QWEN25 = {
@@ -52,3 +61,49 @@ def linear_shapes(name: str) -> dict[str, tuple[int, int]]:
         "gate_up_proj": (2 * inter, hidden),
         "down_proj": (hidden, inter),
     }
+
+
+def random_tensor(name: str, shape, device, std=WEIGHT_STD) -> torch.Tensor:
+    """Deterministic per name, so the original can be regenerated after loading."""
+    generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=generator, device=device) * std).to(torch.bfloat16)
+
+
+def write_checkpoint(config, path: Path, device: str) -> int:
+    """Random bf16 checkpoint, one shard per layer; returns its tensor bytes."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    shards: dict[str, list[str]] = {}
+    for name in shapes:
+        key = f"layer{name.split('.')[2]}" if name.startswith("model.layers.") else "other"
+        shards.setdefault(key, []).append(name)
+    weight_map, total = {}, 0
+    for index, (key, names) in enumerate(sorted(shards.items())):
+        filename = f"model-{index:05d}.safetensors"
+        tensors = {}
+        for name in names:
+            is_norm = "norm" in name
+            tensor = torch.ones(shapes[name], dtype=torch.bfloat16) if is_norm else random_tensor(name, shapes[name], device)
+            tensors[name] = tensor.cpu()
+            total += tensor.numel() * tensor.element_size()
+        save_file(tensors, path / filename, metadata={"format": "pt"})
+        weight_map.update({name: filename for name in names})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config.save_pretrained(path)
+    return total
+
+
+def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with ``vocab_size`` tokens ("<pad>", "<eos>", "<unk>", "w3", "w4", ...): one
+    whitespace-separated word per token, so prompts of exactly N tokens are easy to write."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
+    )

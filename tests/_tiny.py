@@ -45,3 +45,25 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.bf
 
 def random_tokens(batch: int = 2, length: int = 9, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_tokenizer():
+    """The shipped tiny-task tokenizer (byte-level BPE with a chat template), loaded offline."""
+    from transformers import AutoTokenizer
+
+    from trl_qerl.data import tiny_assets
+
+    return AutoTokenizer.from_pretrained(tiny_assets(), padding_side="left")
+
+
+def tiny_chat_checkpoint(path, arch: str = "qwen2", seed: int = 0, **overrides):
+    """Save a random tiny model whose vocabulary and special tokens match `tiny_tokenizer`; returns the path."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(arch, seed=seed, vocab_size=len(tokenizer), **overrides)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,13 +1,60 @@
 """trl-qerl: QeRL (quantisation-enhanced RL) for the Hugging Face stack.
 
-NVFP4 4-bit base weights + LoRA + Adaptive Quantization Noise, trained with TRL's GRPO/DAPO.
+NVFP4 4-bit base weights + LoRA + Adaptive Quantization Noise, trained with TRL's GRPO/DAPO::
+
+    from trl_qerl import QeRLConfig, QeRLGRPOTrainer
+    trainer = QeRLGRPOTrainer(model="Qwen/Qwen2.5-7B-Instruct", reward_funcs=[...],
+                              args=QeRLConfig(output_dir="out"), train_dataset=dataset)
+
+Importing the package registers the NVFP4 quantizer with transformers; the trainer and its dependencies (TRL,
+PEFT) load on first use.
 """
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 from .loading import from_pretrained
 from .nvfp4.linear import NVFP4Linear
-from .quantizer import NVFP4Config, NVFP4HfQuantizer
+from .quantizer import NVFP4Config, NVFP4HfQuantizer, quantize_model
 
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["NVFP4Config", "NVFP4HfQuantizer", "NVFP4Linear", "from_pretrained", "__version__"]
+_LAZY = {
+    "QeRLConfig": ".config",
+    "QeRLGRPOTrainer": ".trainer",
+    "AQNCallback": ".noise",
+    "NoiseSchedule": ".noise",
+    "get_peft_model": ".lora",
+    "load_adapter": ".lora",
+    "merge_and_export": ".lora",
+    "nvfp4_lora_config": ".lora",
+    "accuracy_reward": ".rewards",
+    "format_reward": ".rewards",
+    "build_math_dataset": ".data",
+}
+
+if TYPE_CHECKING:
+    from .config import QeRLConfig
+    from .data import build_math_dataset
+    from .lora import get_peft_model, load_adapter, merge_and_export, nvfp4_lora_config
+    from .noise import AQNCallback, NoiseSchedule
+    from .rewards import accuracy_reward, format_reward
+    from .trainer import QeRLGRPOTrainer
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'trl_qerl' has no attribute {name!r}")
+
+
+__all__ = [
+    "NVFP4Config",
+    "NVFP4HfQuantizer",
+    "NVFP4Linear",
+    "from_pretrained",
+    "quantize_model",
+    "__version__",
+    *_LAZY,
+]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -433,10 +434,11 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[FusedC
                 yield split
 
     candidates: list[FusedConfig | str] = []
-    for block_n in (32, 64, 128):
-        for block_k in (128, 256):
-            for split in splits(block_n, block_k, exact=False):
-                candidates.append(FusedConfig(max(16, bucket), block_n, block_k, split, 4, 4 if bucket <= 16 else 3))
+    stages = 4 if bucket <= 16 else 3
+    for block_n, block_k, warps in ((32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 4), (128, 128, 4),
+                                    (128, 128, 8), (128, 256, 8), (256, 128, 8)):  # fmt: skip
+        for split in splits(block_n, block_k, exact=False):
+            candidates.append(FusedConfig(max(16, bucket), block_n, block_k, split, warps, stages))
     if bucket == 1:
         for block_n, block_k in ((32, 256), (64, 256), (32, 512)):  # larger tiles spill registers
             for split in splits(block_n, block_k, exact=True):
@@ -517,6 +519,9 @@ def run(x, weight_packed, weight_scale, weight_global_scale, choice: FusedConfig
 
 
 CHOOSER = KernelChooser()
+# Choices timed on known GPUs ship with the package (keys carry the device name), so those skip tuning
+for _table in sorted((Path(__file__).parent / "tuned").glob("*.json")):
+    CHOOSER.load(str(_table))
 if os.environ.get("NVFP4_KERNEL_CHOICES"):
     CHOOSER.load(os.environ["NVFP4_KERNEL_CHOICES"])
 

@@ -241,6 +241,17 @@ def _apply_keeping_dtype(fn, param: nn.Parameter) -> nn.Parameter:
     return _frozen(moved)
 
 
+def exclude_packed_tensors_from_ddp(model: nn.Module) -> list[str]:
+    """Tell DistributedDataParallel not to broadcast the frozen NVFP4 tensors of ``model`` (every rank loads the
+    same ones; NCCL/gloo may not even support fp8 broadcasts). Returns the names it set."""
+    names = [
+        name for name, _ in model.named_parameters() if name.rpartition(".")[2] in QUANTIZED_TENSOR_NAMES
+    ]
+    existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    model._ddp_params_and_buffers_to_ignore = sorted(set(existing + names))
+    return names
+
+
 def nvfp4_modules(model: nn.Module) -> dict[str, NVFP4Linear]:
     """All `NVFP4Linear` layers of ``model`` by qualified name."""
     return {name: module for name, module in model.named_modules() if isinstance(module, NVFP4Linear)}

@@ -1,0 +1,142 @@
+"""One GRPO step, QeRL (NVFP4 + LoRA) against 16-bit LoRA, measured in the same run.
+
+Random weights at real Qwen2.5 shapes (written once as a bf16 checkpoint), a synthetic word-level tokenizer with
+the model's vocabulary, prompts of exactly ``--prompt-tokens`` tokens, and a reward that varies per completion
+(so the step does real gradient work). Each mode trains ``--steps`` optimizer steps with `QeRLGRPOTrainer`; the
+first is warm-up, the rest are averaged: step time split into rollout / reward / log-prob / forward+backward,
+rollout tokens/s, and peak allocated device memory.
+
+Usage:
+    python scripts/bench_grpo_step.py --model qwen2.5-7b --modes nvfp4 bf16 --batch 8 --prompt-tokens 256 \
+        --completion-tokens 256 --rollout-backend transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from model_shapes import NAMES, qwen25_config, synthetic_tokenizer, write_checkpoint
+
+from trl_qerl.config import QeRLConfig
+from trl_qerl.trainer import QeRLGRPOTrainer
+
+
+def varied_reward(completion_ids, **kwargs):
+    """Distinct-token count per completion: different for every sample, so advantages are non-zero."""
+    return [len(set(ids)) / max(1, len(ids)) for ids in completion_ids]
+
+
+def prompts(batch: int, tokens: int, vocab: int, seed: int = 0) -> Dataset:
+    rng = random.Random(seed)
+    rows = [" ".join(f"w{rng.randrange(3, vocab)}" for _ in range(tokens)) for _ in range(batch * 4)]
+    return Dataset.from_dict({"prompt": rows})
+
+
+def run_mode(mode: str, checkpoint: Path, tokenizer, args) -> dict:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    config = QeRLConfig(
+        output_dir=tempfile.mkdtemp(prefix=f"grpo-{mode}-"),
+        quantization=mode,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        num_generations=args.num_generations or args.batch,
+        max_completion_length=args.completion_tokens,
+        lora_r=args.lora_r,
+        learning_rate=1e-5,
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        rollout_backend=args.rollout_backend,
+        temperature=1.0,
+        seed=0,
+    )
+    trainer = QeRLGRPOTrainer(
+        str(checkpoint),
+        reward_funcs=varied_reward,
+        args=config,
+        train_dataset=prompts(args.batch, args.prompt_tokens, tokenizer.vocab_size),
+        processing_class=tokenizer,
+    )
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    weight_bytes = sum(t.numel() * t.element_size() for t in base.parameters() if not t.requires_grad)
+    trainer.train()
+    steps = [e for e in trainer.state.log_history if "time/step_s" in e][1:]  # drop the warm-up step
+    mean = lambda key: statistics.mean(e[key] for e in steps)  # noqa: E731
+    result = {
+        "mode": mode,
+        "step_s": mean("time/step_s"),
+        "rollout_s": mean("time/rollout_s"),
+        "reward_s": mean("time/reward_s"),
+        "logprob_s": mean("time/logprob_s"),
+        "forward_backward_s": mean("time/forward_backward_s"),
+        "rollout_tokens_per_s": mean("rollout/tokens_per_second"),
+        "completion_length": mean("completions/mean_length"),
+        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
+        "frozen_weight_gb": weight_bytes / 1e9,
+        "steps_averaged": len(steps),
+    }
+    del trainer, base
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-7b", choices=NAMES)
+    parser.add_argument("--modes", nargs="+", default=["nvfp4", "bf16"])
+    parser.add_argument("--batch", type=int, default=8, help="completions per step (per_device_train_batch_size)")
+    parser.add_argument("--num-generations", type=int, default=None, help="completions per prompt (default: batch)")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--completion-tokens", type=int, default=256)
+    parser.add_argument("--lora-r", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per mode; the first is warm-up")
+    parser.add_argument("--rollout-backend", default="transformers")
+    parser.add_argument("--workdir", default=None, help="where the random bf16 checkpoint is written")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+
+    config = qwen25_config(args.model)
+    checkpoint = Path(args.workdir or tempfile.mkdtemp(prefix="grpo-ckpt-"))
+    if not (checkpoint / "config.json").exists():
+        write_checkpoint(config, checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = synthetic_tokenizer(config.vocab_size)
+    results = [run_mode(mode, checkpoint, tokenizer, args) for mode in args.modes]
+
+    print(f"\nOne GRPO step, {args.model} shapes, {args.batch} completions x ({args.prompt_tokens} prompt + "
+          f"{args.completion_tokens} completion tokens), LoRA r{args.lora_r}, gradient checkpointing, rollouts: "
+          f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step")  # fmt: skip
+    print("| mode | step s | rollout s | reward s | log-prob s | fwd+bwd s | rollout tok/s | peak GB | frozen weights GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['mode']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['reward_s']:.3f} | {r['logprob_s']:.2f} | "
+              f"{r['forward_backward_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | {r['peak_allocated_gb']:.1f} | "
+              f"{r['frozen_weight_gb']:.2f} |")  # fmt: skip
+    if len(results) > 1:
+        base = results[-1]
+        for r in results[:-1]:
+            print(f"{r['mode']} vs {base['mode']}: step {base['step_s'] / r['step_s']:.2f}x faster, rollout "
+                  f"{base['rollout_s'] / r['rollout_s']:.2f}x, peak memory {r['peak_allocated_gb'] / base['peak_allocated_gb']:.2f}x")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

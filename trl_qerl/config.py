@@ -1,0 +1,138 @@
+"""`QeRLConfig`: TRL's `GRPOConfig` plus quantisation, LoRA, AQN and rollout settings.
+
+Every TRL field still works. Defaults that differ from TRL's, following the paper and its scripts:
+
+* ``learning_rate``: 1e-5 (TRL: 1e-6); quantised models train well at about 10x the 16-bit LoRA rate;
+* ``epsilon_high``: 0.28 (DAPO's clip-higher; TRL: same as ``epsilon``);
+* ``loss_type`` "dapo" and ``beta`` 0 are TRL's defaults already.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig
+
+from .noise import DEFAULT_TARGETS, SCHEDULES, NoiseSchedule
+
+
+QUANTIZATIONS = ("nvfp4", "bf16", "nf4", "none")
+ROLLOUT_BACKENDS = ("auto", "transformers", "fast", "vllm")
+
+
+@dataclass
+class QeRLConfig(GRPOConfig):
+    r"""
+    Configuration for `QeRLGRPOTrainer`: GRPO/DAPO (`trl.GRPOConfig`) on NVFP4 base weights + LoRA + Adaptive
+    Quantization Noise.
+
+    Parameters that control the model:
+        quantization (`str`, defaults to `"nvfp4"`): base weights: `"nvfp4"` (QeRL), `"bf16"` (16-bit LoRA
+            baseline), `"nf4"` (QLoRA baseline, bitsandbytes, CUDA only), `"none"` (full fine-tuning).
+        nvfp4_modules_to_not_convert (`list[str]`, *optional*): extra Linear layers kept in 16-bit.
+
+    Parameters that control LoRA (ignored with `quantization="none"`):
+        lora_r (`int`, defaults to `32`), lora_alpha (`int`, defaults to `2 * lora_r`), lora_dropout (`float`, defaults
+        to `0.0`), lora_target_modules (`list[str]`, *optional*: the seven decoder projections), train_norms (`bool`,
+        defaults to `True`).
+
+    Parameters that control AQN:
+        aqn_schedule (`str`, defaults to `"exponential"`), aqn_sigma_start (`float`, defaults to `1e-2`),
+        aqn_sigma_end (`float`, defaults to `1e-4`), aqn_num_stages (`int`, defaults to `10`), aqn_targets
+        (`list[str]`), aqn_apply_to_training (`bool`, defaults to `False`).
+
+    Parameters that control rollouts:
+        rollout_backend (`str`, defaults to `"auto"`).
+    """
+
+    # Parameters whose defaults differ from TRL's
+    learning_rate: float = field(
+        default=1e-5,
+        metadata={"help": "Initial AdamW learning rate. QeRL default 1e-5: quantised models train well at ~10x the "
+                  "16-bit LoRA rate (paper: 1e-5 to 3e-5)."},  # fmt: skip
+    )
+    epsilon_high: float | None = field(
+        default=0.28,
+        metadata={"help": "Upper clipping bound (DAPO's clip-higher, 0.28 in DAPO and QeRL)."},
+    )
+
+    # Parameters that control the model
+    quantization: str = field(
+        default="nvfp4",
+        metadata={
+            "help": "Base weights: 'nvfp4' (QeRL: NVFP4 base + LoRA), 'bf16' (16-bit LoRA baseline), 'nf4' (QLoRA "
+            "baseline through bitsandbytes, CUDA only), 'none' (full fine-tuning).",
+            "choices": list(QUANTIZATIONS),
+        },
+    )
+    nvfp4_modules_to_not_convert: list[str] | None = field(
+        default=None,
+        metadata={"help": "Extra Linear layers to keep in 16-bit when quantising (names, suffixes or 're:' regex)."},
+    )
+
+    # Parameters that control LoRA
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank (paper's main tables: 32)."})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha; defaults to 2 * lora_r."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input (paper: 0)."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Leaf names of the layers to adapt; default: q/k/v/o/gate/up/down projections. "
+                  "'all-linear' adapts every Linear-like layer but the output embedding."},  # fmt: skip
+    )
+    train_norms: bool = field(
+        default=True,
+        metadata={"help": "Also train input_layernorm and post_attention_layernorm (as QeRL's reference scripts do); "
+                  "AQN noise goes on top of the trained weights."},  # fmt: skip
+    )
+
+    # Parameters that control AQN
+    aqn_schedule: str = field(
+        default="exponential",
+        metadata={"help": "AQN decay from sigma_start to sigma_end over stages 1..K-1 (stage 0 is noise-free); "
+                  "'off' disables AQN.", "choices": list(SCHEDULES)},  # fmt: skip
+    )
+    aqn_sigma_start: float = field(default=1e-2, metadata={"help": "AQN sigma of stage 1 (paper scripts: 1e-2)."})
+    aqn_sigma_end: float = field(default=1e-4, metadata={"help": "AQN sigma of the last stage (paper scripts: 1e-4)."})
+    aqn_num_stages: int = field(default=10, metadata={"help": "Number K of equal AQN stages over training (10)."})
+    aqn_targets: list[str] = field(
+        default_factory=lambda: list(DEFAULT_TARGETS),
+        metadata={"help": "Leaf names of the RMSNorms that receive AQN noise (those feeding q/k/v and gate/up)."},
+    )
+    aqn_apply_to_training: bool = field(
+        default=False,
+        metadata={"help": "Keep AQN noise on during the loss forward too (default: rollout generation only, as the "
+                  "reference implementation)."},  # fmt: skip
+    )
+
+    # Parameters that control rollouts
+    rollout_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Generation backend: 'auto' (vLLM when use_vllm, else the fast CUDA-graph backend on CUDA, else "
+            "transformers generate), 'transformers', 'fast', or 'vllm'.",
+            "choices": list(ROLLOUT_BACKENDS),
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout_backend must be one of {ROLLOUT_BACKENDS}, got {self.rollout_backend!r}.")
+        if self.quantization != "none" and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
+            raise ValueError(f"lora_r must be a positive integer, got {self.lora_r!r}.")
+        if self.max_steps == 0:
+            raise ValueError("max_steps=0 would train nothing; set max_steps > 0, or -1 to train num_train_epochs.")
+        self.aqn_noise_schedule()  # validates the AQN fields
+        if self.bf16 is None and not self.fp16 and not _has_accelerator():
+            # TRL turns bf16 on by default, which transformers refuses on a CPU-only machine: train in fp32 there
+            self.bf16 = False
+        super().__post_init__()
+
+    def aqn_noise_schedule(self) -> NoiseSchedule:
+        return NoiseSchedule(self.aqn_sigma_start, self.aqn_sigma_end, self.aqn_num_stages, self.aqn_schedule)
+
+
+def _has_accelerator() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())

@@ -1,0 +1,328 @@
+"""`QeRLGRPOTrainer`: TRL's GRPOTrainer on NVFP4 base weights + LoRA + Adaptive Quantization Noise.
+
+The subclass overrides as little as possible:
+
+* ``__init__`` loads or quantises the model (or a 16-bit / NF4 / full fine-tuning baseline), applies LoRA and
+  installs `AQNCallback`, then hands everything to ``GRPOTrainer.__init__``;
+* ``_generate_single_turn`` sends rollouts through a pluggable backend inside a fresh AQN noise draw, and times them;
+* ``training_step`` / ``_calculate_rewards`` / ``_get_per_token_logps_and_entropies`` only add timing and memory
+  metrics around TRL's own code;
+* ``create_model_card`` appends what a QeRL run needs to be reproduced.
+
+Checked against TRL 1.16 (private hooks ``_generate_single_turn``, ``_calculate_rewards``,
+``_get_per_token_logps_and_entropies`` and ``_metrics``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from peft import PeftConfig, PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, set_seed
+from trl import GRPOTrainer
+
+from .config import QeRLConfig
+from .loading import from_pretrained as load_nvfp4
+from .lora import get_peft_model, nvfp4_lora_config, register_nvfp4_lora
+from .noise import AQNCallback
+from .nvfp4.linear import exclude_packed_tensors_from_ddp
+from .quantizer import QUANT_METHOD, NVFP4Config, quantize_model
+from .rollout import make_rollout_backend
+
+
+QERL_CITATION = """\
+@article{huang2025qerl,
+    title   = {{QeRL: Beyond Efficiency -- Quantization-enhanced Reinforcement Learning for LLMs}},
+    author  = {Wei Huang and Yi Ge and Shuai Yang and Yicheng Xiao and Huizi Mao and Yujun Lin and Hanrong Ye and
+               Sifei Liu and Ka Chun Cheung and Hongxu Yin and Yao Lu and Xiaojuan Qi and Song Han and Yukang Chen},
+    journal = {arXiv preprint arXiv:2510.11696},
+    year    = {2025}
+}"""
+
+
+def _model_init_kwargs(args: QeRLConfig) -> dict[str, Any]:
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs.setdefault("dtype", torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32)
+    if "device_map" not in kwargs and torch.cuda.is_available() and not args.use_cpu:
+        kwargs["device_map"] = {"": PartialState().local_process_index}  # quantise on the device, one rank per GPU
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs
+
+
+def _bnb_nf4_config():
+    if not torch.cuda.is_available():
+        raise ValueError("quantization='nf4' (the QLoRA baseline) needs a CUDA GPU: bitsandbytes NF4 has no CPU kernels.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ImportError("quantization='nf4' needs bitsandbytes: pip install bitsandbytes") from error
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=True,
+    )
+
+
+def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) -> PreTrainedModel:
+    """The base model for ``args.quantization``: loaded from a path/id, or checked/quantised if given as an instance."""
+    mode = args.quantization
+    if isinstance(model, (str, os.PathLike)):
+        kwargs = _model_init_kwargs(args)
+        if mode == "nvfp4":
+            config = NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert)
+            return load_nvfp4(str(model), quantization_config=config, **kwargs)
+        if mode == "nf4":
+            kwargs["quantization_config"] = _bnb_nf4_config()
+        return AutoModelForCausalLM.from_pretrained(str(model), **kwargs)
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    method = getattr(base, "quantization_method", None) if getattr(base, "is_quantized", False) else None
+    if mode == "nvfp4":
+        if method is None:
+            return quantize_model(model, NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert))
+        if method != QUANT_METHOD:
+            raise ValueError(f"quantization='nvfp4' but the model is quantised with {method!r}; pass a 16-bit model.")
+        return model
+    if mode == "nf4":
+        if not getattr(base, "is_loaded_in_4bit", False):
+            raise ValueError("quantization='nf4' needs a model loaded with bitsandbytes 4-bit (or pass a model id).")
+        return model
+    if method is not None:
+        raise ValueError(f"quantization={mode!r} needs a 16-bit model, but this one is quantised with {method!r}.")
+    return model
+
+
+def _guard_reward(func: Callable) -> Callable:
+    """Re-raise a reward function's exception with its name and the fix."""
+
+    @functools.wraps(func)
+    def guarded(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except Exception as error:
+            raise RuntimeError(
+                f"Reward function {getattr(func, '__name__', func)!r} raised {type(error).__name__}: {error}. Reward "
+                "functions must score every completion, returning 0 (or None) for output they cannot parse."
+            ) from error
+
+    return guarded
+
+
+class QeRLGRPOTrainer(GRPOTrainer):
+    """GRPO/DAPO with QeRL: NVFP4 base weights, LoRA adapters, Adaptive Quantization Noise.
+
+    Args:
+        model: a Hub id or path (loaded through the NVFP4 quantizer, or as the ``args.quantization`` baseline), a
+            16-bit model instance (quantised in place), an NVFP4 model, or a `PeftModel` on one.
+        reward_funcs: as in `trl.GRPOTrainer` (see `trl_qerl.rewards`).
+        args: a `QeRLConfig`.
+        peft_config: a custom `LoraConfig`; by default one is built from ``args`` (`nvfp4_lora_config`).
+        rollout_backend: a `RolloutBackend` instance overriding ``args.rollout_backend``.
+        **kwargs: everything else `trl.GRPOTrainer` accepts (datasets, processing_class, callbacks, ...).
+    """
+
+    _tag_names = ["trl", "grpo", "qerl"]
+    _name = "QeRL (GRPO)"
+    _paper = {"title": "QeRL: Beyond Efficiency -- Quantization-enhanced Reinforcement Learning for LLMs",
+              "id": "2510.11696", "citation": QERL_CITATION}  # fmt: skip
+
+    def __init__(
+        self,
+        model: str | os.PathLike | PreTrainedModel | PeftModel,
+        reward_funcs: Callable | list[Callable] | str | list[str] | None = None,
+        args: QeRLConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        peft_config: PeftConfig | None = None,
+        rollout_backend=None,
+        **kwargs: Any,
+    ) -> None:
+        model_id = str(model) if isinstance(model, (str, os.PathLike)) else None
+        if args is None:
+            args = QeRLConfig(f"{Path(model_id or 'model').name}-QeRL")
+        if not isinstance(args, QeRLConfig):
+            raise TypeError(f"QeRLGRPOTrainer needs a QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}.")
+        _check_dataset(train_dataset, "train_dataset")
+        _check_dataset(eval_dataset, "eval_dataset")
+        set_seed(args.seed)  # LoRA initialisation happens here, before GRPOTrainer's own set_seed
+
+        model = load_policy(model, args)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model_id or model.config._name_or_path, padding_side="left")
+        model = self._apply_lora(model, args, peft_config)
+        exclude_packed_tensors_from_ddp(model)
+        self.aqn_callback = AQNCallback(
+            args.aqn_noise_schedule(), args.aqn_targets, seed=args.seed, apply_to_training=args.aqn_apply_to_training
+        )
+        self._tag_names = [*type(self)._tag_names, args.quantization, args.loss_type]
+        if isinstance(reward_funcs, list):
+            reward_funcs = [f if isinstance(f, str) or not callable(f) else _guard_reward(f) for f in reward_funcs]
+        elif callable(reward_funcs) and not isinstance(reward_funcs, torch.nn.Module):
+            reward_funcs = _guard_reward(reward_funcs)
+        self._timings: defaultdict[str, float] = defaultdict(float)
+
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            **kwargs,
+        )
+        # First in line, so that reporting callbacks see aqn/sigma in the logs it adds
+        self.callback_handler.callbacks.insert(0, self.aqn_callback)
+        self.aqn_callback.attach(self.model, seed=args.seed)
+        if args.quantization == "nvfp4" and args.bf16:
+            # Adapters in bf16, as TRL does for QLoRA (PEFT's autocast_adapter_dtype made them fp32)
+            for param in self.model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(torch.bfloat16)
+        self.rollout_backend = rollout_backend or make_rollout_backend(args.rollout_backend, self)
+
+    @staticmethod
+    def _apply_lora(model, args: QeRLConfig, peft_config: PeftConfig | None):
+        if args.quantization == "none":
+            if peft_config is not None or isinstance(model, PeftModel):
+                raise ValueError("quantization='none' is full fine-tuning; drop peft_config / the PeftModel for LoRA.")
+            return model
+        if isinstance(model, PeftModel):
+            if peft_config is not None:
+                raise ValueError("Pass either a PeftModel or a peft_config, not both.")
+            for config in model.peft_config.values():
+                register_nvfp4_lora(config)
+            return model
+        if peft_config is None:
+            peft_config = nvfp4_lora_config(
+                model,
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                target_modules=args.lora_target_modules,
+                train_norms=args.train_norms,
+            )
+        return get_peft_model(model, peft_config)
+
+    # -- rollouts ------------------------------------------------------------------------------------------------
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        training = self.model.training
+        noise = self.aqn_callback.noise.rollout() if training and self.aqn_callback.noise else nullcontext()
+        start = self._now()
+        with noise:
+            completion_ids, logprobs = self.rollout_backend.generate(
+                self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        elapsed = self._now() - start
+        self._timings["rollout"] += elapsed
+        tokens = sum(len(ids) for ids in completion_ids)
+        self._metrics["train" if training else "eval"]["rollout/tokens_per_second"].append(tokens / max(elapsed, 1e-9))
+        return completion_ids, logprobs
+
+    # -- timing --------------------------------------------------------------------------------------------------
+    def _now(self) -> float:
+        if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        start = self._now()
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._timings["reward"] += self._now() - start
+        return rewards
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        start = self._now()
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        self._timings["logprob"] += self._now() - start
+        return result
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        self._timings.clear()
+        start = self._now()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        total = self._now() - start
+        metrics = self._metrics["train"]
+        for part in ("rollout", "reward", "logprob"):
+            metrics[f"time/{part}_s"].append(self._timings[part])
+        metrics["time/forward_backward_s"].append(total - sum(self._timings.values()))
+        metrics["time/step_s"].append(total)
+        if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
+            metrics["memory/peak_allocated_gb"].append(torch.cuda.max_memory_allocated() / 1e9)
+        return loss
+
+    # -- model card ----------------------------------------------------------------------------------------------
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        path = Path(self.args.output_dir) / "README.md"
+        if path.exists():
+            with open(path, "a") as handle:
+                handle.write(self._qerl_card_section())
+
+    def _qerl_card_section(self) -> str:
+        args = self.args
+        schedule = args.aqn_noise_schedule()
+        rewards = ", ".join(self.reward_func_names) or "none"
+        base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+        quantization = {
+            "nvfp4": "NVFP4 base weights (E2M1 values, FP8 E4M3 scales per 16, FP32 global scale), weight-only",
+            "bf16": "16-bit base weights (LoRA baseline)",
+            "nf4": "NF4 base weights through bitsandbytes (QLoRA baseline)",
+            "none": "none: full fine-tuning",
+        }[args.quantization]
+        lora = (
+            "none"
+            if args.quantization == "none"
+            else f"r={args.lora_r}, alpha={args.lora_alpha or 2 * args.lora_r}, dropout={args.lora_dropout}, "
+            f"trained norms: {args.train_norms}"
+        )
+        noise = (
+            "off"
+            if schedule.schedule == "off"
+            else f"{schedule.schedule}, sigma {schedule.sigma_start:g} -> {schedule.sigma_end:g} over "
+            f"{schedule.num_stages} stages (stage 0 noise-free), on {', '.join(args.aqn_targets)}"
+            + (", also during the loss forward" if args.aqn_apply_to_training else ", during rollouts")
+        )
+        return (
+            "\n## QeRL training setup\n\n"
+            f"- Base model: `{base.config._name_or_path}`\n"
+            f"- Quantisation: {quantization}\n"
+            f"- LoRA: {lora}\n"
+            f"- Adaptive Quantization Noise: {noise}\n"
+            f"- RL: loss `{args.loss_type}`, learning rate {args.learning_rate:g}, beta {args.beta:g}, epsilon "
+            f"{args.epsilon:g}/{args.epsilon_high if args.epsilon_high is not None else args.epsilon:g}, "
+            f"{args.num_generations} generations per prompt\n"
+            f"- Rewards: {rewards}\n"
+            f"- Trained with [trl-qerl](https://arxiv.org/abs/2510.11696)\n\n"
+            "Load the adapter with `trl_qerl.lora.load_adapter(trl_qerl.from_pretrained(base), adapter_dir)`, or with "
+            "plain PEFT onto the 16-bit base model.\n"
+        )
+
+
+def _check_dataset(dataset, name: str) -> None:
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, dict):  # DatasetDict
+        columns = next(iter(columns.values()), None)
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {columns}). Build it with trl_qerl.data.build_math_dataset, or "
+            "rename your question column to 'prompt'."
+        )
