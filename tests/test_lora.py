@@ -11,6 +11,7 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
+import trl_qerl
 from trl_qerl import NVFP4Config
 from trl_qerl.lora import (
     PROJECTIONS,
@@ -136,7 +137,7 @@ def test_merge_and_export_merges_into_16_bit_masters(checkpoint, tmp_path, expor
                                                  tmp_path / "adapter"))  # fmt: skip
     merge_and_export(model, tmp_path / "merged", base_model=checkpoint, export_format=export_format)
     saved = json.loads((tmp_path / "merged" / "config.json").read_text())
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
+    merged = trl_qerl.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
     if export_format == "bf16":
         assert "quantization_config" not in saved
         assert relative_error(expected, _logits(merged)) < 0.02  # bf16 rounding of the merged weights

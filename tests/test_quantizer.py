@@ -313,7 +313,7 @@ def test_import_is_lean():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_quantise_on_load_never_holds_the_16_bit_model_on_the_device(tmp_path):
     path = tmp_path / "bf16"
-    model = tiny_model("qwen2", hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, head_dim=64)
+    model = tiny_model("qwen2", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, head_dim=64)
     bf16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(path)
     torch.cuda.empty_cache()

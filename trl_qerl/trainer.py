@@ -188,12 +188,22 @@ class QeRLGRPOTrainer(GRPOTrainer):
         # First in line, so that reporting callbacks see aqn/sigma in the logs it adds
         self.callback_handler.callbacks.insert(0, self.aqn_callback)
         self.aqn_callback.attach(self.model, seed=args.seed)
-        if args.quantization == "nvfp4" and args.bf16:
-            # Adapters in bf16, as TRL does for QLoRA (PEFT's autocast_adapter_dtype made them fp32)
-            for param in self.model.parameters():
-                if param.requires_grad:
-                    param.data = param.data.to(torch.bfloat16)
+        self._cast_adapters_to_compute_dtype()
         self.rollout_backend = rollout_backend or make_rollout_backend(args.rollout_backend, self)
+
+    def _cast_adapters_to_compute_dtype(self) -> None:
+        """Adapters in bf16 on an NVFP4 base, as TRL does for QLoRA (PEFT's autocast_adapter_dtype makes them fp32)."""
+        if self.args.quantization == "nvfp4" and self.args.bf16:
+            for param in self.model.parameters():
+                if param.requires_grad and param.dtype != torch.bfloat16:
+                    param.data = param.data.to(torch.bfloat16)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # Private transformers hook (checked against 5.17 and 5.24): resuming reloads the adapter through PEFT,
+        # which upcasts it to fp32 again; cast back before the optimizer is built so that a resumed run trains
+        # exactly like an uninterrupted one.
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._cast_adapters_to_compute_dtype()
 
     @staticmethod
     def _apply_lora(model, args: QeRLConfig, peft_config: PeftConfig | None):

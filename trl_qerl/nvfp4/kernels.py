@@ -19,6 +19,7 @@ time it is seen outside CUDA-graph capture (`NVFP4_AUTOTUNE=0` disables this and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -174,12 +175,11 @@ def _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, ROWS: tl.constexpr, COLS: tl.co
 @triton.jit
 def _load_step(word_ptrs, scale_ptrs, x_ptrs, k_left, m_mask, WORDS: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr):  # fmt: skip
-    """One K step of packed words, FP8 scales and activations; ``k_left <= 0`` loads nothing (zeros)."""
-    if EVEN_K:  # a whole step or nothing: one uniform predicate
-        live = tl.full((1, 1), 1, tl.int1) & (k_left > 0)
-        words = tl.load(word_ptrs, mask=live, other=0, eviction_policy="evict_first")
-        scale = tl.load(scale_ptrs, mask=live, other=0.0, eviction_policy="evict_first")
-        x_t = tl.load(x_ptrs, mask=m_mask[None, :] & live, other=0.0)
+    """One K step of packed words, FP8 scales and activations, masked where fewer than BLOCK_K columns are left."""
+    if EVEN_K:
+        words = tl.load(word_ptrs, eviction_policy="evict_first")
+        scale = tl.load(scale_ptrs, eviction_policy="evict_first")
+        x_t = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
     else:
         words = tl.load(word_ptrs, mask=(tl.arange(0, WORDS) < k_left // 8)[None, :], other=0,
                         eviction_policy="evict_first")  # fmt: skip
@@ -216,24 +216,19 @@ def _nvfp4_matmul_kernel(
     scale_ptrs = scale_ptr + rows[:, None] * stride_sn + offs_s[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None] * stride_xk
 
-    # Software pipelining by hand: the next step's weights are requested before this step's are dequantised,
-    # so the global-memory latency hides behind the dequantisation (Triton pipelines only loads that feed a dot).
-    STEP: tl.constexpr = BLOCK_K * SPLIT_K
-    words, scale, x_t = _load_step(word_ptrs, scale_ptrs, x_ptrs, K - pid_k * BLOCK_K, m_mask, WORDS, BLOCK_K, EVEN_K)
+    # (Issuing the next step's loads before this step's dequantisation was measured slower on the H200: it doubles
+    # the registers held per thread and halves occupancy; see notes/nvfp4-kernels.md.)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, STEP):
-        word_ptrs += SPLIT_K * WORDS
-        scale_ptrs += SPLIT_K * (WORDS // 2)
-        x_ptrs += STEP * stride_xk
-        next_words, next_scale, next_x_t = _load_step(
-            word_ptrs, scale_ptrs, x_ptrs, K - k0 - STEP, m_mask, WORDS, BLOCK_K, EVEN_K
-        )
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        words, scale, x_t = _load_step(word_ptrs, scale_ptrs, x_ptrs, K - k0, m_mask, WORDS, BLOCK_K, EVEN_K)
         scale = (scale.to(tl.float32) * boost).to(compute_dtype)
         scale = tl.join(scale, scale).reshape(BLOCK_N, WORDS)  # one scale per 2 words
         o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8(words, scale, compute_dtype, USE_ASM)
         weight = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N, BLOCK_K)
         acc += tl.dot(weight, x_t)
-        words, scale, x_t = next_words, next_scale, next_x_t
+        word_ptrs += SPLIT_K * WORDS
+        scale_ptrs += SPLIT_K * (WORDS // 2)
+        x_ptrs += SPLIT_K * BLOCK_K * stride_xk
 
     acc = acc * (boost / tl.load(global_scale_ptr))
     out = out_ptr + pid_k * stride_split + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -490,16 +485,14 @@ class KernelChooser:
         probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
         timings = {}
         for candidate in candidate_configs(rows, n, k, num_sms):
+            call = functools.partial(run, probe, weight_packed, weight_scale, weight_global_scale, candidate)
             try:
-                timings[candidate] = triton.testing.do_bench(
-                    lambda c=candidate: run(probe, weight_packed, weight_scale, weight_global_scale, c),
-                    warmup=2,
-                    rep=6,
-                    return_mode="median",
-                )
+                call()  # compile outside the graph
+                # Timed as CUDA-graph replays, as decode runs: host launch overhead would swamp small kernels
+                timings[candidate] = triton.testing.do_bench_cudagraph(call, rep=10, return_mode="median")
             except (triton.runtime.errors.OutOfResources, RuntimeError):
                 continue
-        return min(timings, key=timings.get)
+        return min(timings, key=timings.get) if timings else heuristic_config(x.shape[0], n, k, num_sms)
 
     def save(self, path: str) -> None:
         table = {key: c if isinstance(c, str) else asdict(c) for key, c in sorted(self.choices.items())}
