@@ -137,7 +137,10 @@ def test_merge_and_export_merges_into_16_bit_masters(checkpoint, tmp_path, expor
                                                  tmp_path / "adapter"))  # fmt: skip
     merge_and_export(model, tmp_path / "merged", base_model=checkpoint, export_format=export_format)
     saved = json.loads((tmp_path / "merged" / "config.json").read_text())
-    merged = trl_qerl.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
+    if export_format == "bf16":
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
+    else:
+        merged = trl_qerl.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
     if export_format == "bf16":
         assert "quantization_config" not in saved
         assert relative_error(expected, _logits(merged)) < 0.02  # bf16 rounding of the merged weights
