@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from model_shapes import NAMES, qwen25_config, synthetic_tokenizer, write_checkpoint
+from transformers import AutoModelForCausalLM
 
 from trl_qerl.config import QeRLConfig
 from trl_qerl.trainer import QeRLGRPOTrainer
@@ -41,11 +42,15 @@ def prompts(batch: int, tokens: int, vocab: int, seed: int = 0) -> Dataset:
     return Dataset.from_dict({"prompt": rows})
 
 
-def run_mode(mode: str, checkpoint: Path, tokenizer, args) -> dict:
+def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    model = str(checkpoint)
+    if checkpoint is None:  # build the 16-bit model in device memory; the trainer quantises it in place
+        with torch.device("cuda" if cuda else "cpu"):
+            model = AutoModelForCausalLM.from_config(qwen25_config(args.model), dtype=torch.bfloat16)
     config = QeRLConfig(
         output_dir=tempfile.mkdtemp(prefix=f"grpo-{mode}-"),
         quantization=mode,
@@ -66,7 +71,7 @@ def run_mode(mode: str, checkpoint: Path, tokenizer, args) -> dict:
         seed=0,
     )
     trainer = QeRLGRPOTrainer(
-        str(checkpoint),
+        model,
         reward_funcs=varied_reward,
         args=config,
         train_dataset=prompts(args.batch, args.prompt_tokens, tokenizer.vocab_size),
@@ -74,7 +79,18 @@ def run_mode(mode: str, checkpoint: Path, tokenizer, args) -> dict:
     )
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     weight_bytes = sum(t.numel() * t.element_size() for t in base.parameters() if not t.requires_grad)
+    trainable_bytes = sum(t.numel() * t.element_size() for t in trainer.model.parameters() if t.requires_grad)
+    del model
+    if cuda and checkpoint is None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the 16-bit model existed only to be quantised: not part of training
     trainer.train()
+    optimizer_bytes = sum(
+        t.numel() * t.element_size()
+        for state in trainer.optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t)
+    )
     steps = [e for e in trainer.state.log_history if "time/step_s" in e][1:]  # drop the warm-up step
     mean = lambda key: statistics.mean(e[key] for e in steps)  # noqa: E731
     result = {
@@ -88,6 +104,8 @@ def run_mode(mode: str, checkpoint: Path, tokenizer, args) -> dict:
         "completion_length": mean("completions/mean_length"),
         "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
         "frozen_weight_gb": weight_bytes / 1e9,
+        "trainable_gb": trainable_bytes / 1e9,
+        "optimizer_state_gb": optimizer_bytes / 1e9,
         "steps_averaged": len(steps),
     }
     del trainer, base
@@ -109,13 +127,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per mode; the first is warm-up")
     parser.add_argument("--rollout-backend", default="transformers")
     parser.add_argument("--workdir", default=None, help="where the random bf16 checkpoint is written")
+    parser.add_argument("--in-memory", action="store_true",
+                        help="build the 16-bit model on the device instead of writing a checkpoint (32B: the disk is "
+                        "too small); peak memory is then counted from after quantisation")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
     config = qwen25_config(args.model)
-    checkpoint = Path(args.workdir or tempfile.mkdtemp(prefix="grpo-ckpt-"))
-    if not (checkpoint / "config.json").exists():
+    checkpoint = None if args.in_memory else Path(args.workdir or tempfile.mkdtemp(prefix="grpo-ckpt-"))
+    if checkpoint is not None and not (checkpoint / "config.json").exists():
         write_checkpoint(config, checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = synthetic_tokenizer(config.vocab_size)
     results = [run_mode(mode, checkpoint, tokenizer, args) for mode in args.modes]
@@ -123,12 +144,13 @@ def main() -> None:
     print(f"\nOne GRPO step, {args.model} shapes, {args.batch} completions x ({args.prompt_tokens} prompt + "
           f"{args.completion_tokens} completion tokens), LoRA r{args.lora_r}, gradient checkpointing, rollouts: "
           f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step")  # fmt: skip
-    print("| mode | step s | rollout s | reward s | log-prob s | fwd+bwd s | rollout tok/s | peak GB | frozen weights GB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | step s | rollout s | reward s | log-prob s | fwd+bwd s | rollout tok/s | peak GB | frozen weights GB "
+          "| trainable GB | optimizer GB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['mode']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['reward_s']:.3f} | {r['logprob_s']:.2f} | "
               f"{r['forward_backward_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | {r['peak_allocated_gb']:.1f} | "
-              f"{r['frozen_weight_gb']:.2f} |")  # fmt: skip
+              f"{r['frozen_weight_gb']:.2f} | {r['trainable_gb']:.3f} | {r['optimizer_state_gb']:.3f} |")  # fmt: skip
     if len(results) > 1:
         base = results[-1]
         for r in results[:-1]:

@@ -4,13 +4,19 @@ A backend turns tokenised prompts into completion token ids, with the signature 
 ``GRPOTrainer._generate_single_turn``. The trainer wraps every call in AQN noise and times it.
 
 * ``transformers``: TRL's own ``model.generate`` path (dynamic cache, no compilation); works everywhere.
+* ``fast``: static KV cache + CUDA-graphed decode step (`trl_qerl.rollout.fast`); the default on CUDA.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
+import torch
 from trl import GRPOTrainer
+
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutBackend(Protocol):
@@ -42,10 +48,69 @@ class TransformersRollout:
         )
 
 
+class FastRollout:
+    """Static-cache, CUDA-graph decoding (`StaticCacheGenerator`), falling back to TRL's generate (logged) for
+    options it does not support or if capture fails."""
+
+    name = "fast"
+
+    def __init__(self, cuda_graph: bool | None = None) -> None:
+        self.cuda_graph = cuda_graph
+        self.generator = None
+        self.fallback = TransformersRollout()
+        self.disabled_reason: str | None = None
+
+    def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        from .fast import SamplingParams, StaticCacheGenerator
+
+        reason = self.disabled_reason or _unsupported(trainer, images)
+        if reason:
+            if reason != self.disabled_reason:
+                logger.warning("fast rollouts unavailable (%s); using transformers generate", reason)
+                self.disabled_reason = reason
+            return self.fallback.generate(trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        args = trainer.args
+        params = SamplingParams(
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            top_p=args.top_p,
+            min_p=args.min_p,
+        )
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        if self.generator is None or self.generator.model is not model:
+            self.generator = StaticCacheGenerator(model, cuda_graph=self.cuda_graph)
+        try:
+            completions = self.generator.generate(prompt_ids, params, trainer.eos_token_ids, trainer._tokenizer.pad_token_id)
+        except Exception as error:  # noqa: BLE001 - capture problems must not stop training
+            self.disabled_reason = f"{type(error).__name__}: {error}"
+            logger.warning("fast rollouts failed (%s); falling back to transformers generate", self.disabled_reason)
+            return self.fallback.generate(trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        return completions, None
+
+
+def _unsupported(trainer, images) -> str | None:
+    args = trainer.args
+    if images is not None and any(image is not None for image in images):
+        return "multimodal prompts"
+    if args.generation_kwargs:
+        return f"generation_kwargs {sorted(args.generation_kwargs)}"
+    if args.repetition_penalty != 1.0:
+        return "repetition_penalty"
+    if getattr(trainer, "tools", None):
+        return "tool calling"
+    return None
+
+
 def make_rollout_backend(name: str, trainer: GRPOTrainer) -> RolloutBackend:
-    """The backend for ``QeRLConfig.rollout_backend``."""
-    if name in ("auto", "transformers"):
+    """The backend for ``QeRLConfig.rollout_backend``: "auto" picks "fast" on a single CUDA device."""
+    if name == "auto":
+        single_cuda = trainer.accelerator.device.type == "cuda" and trainer.accelerator.num_processes == 1
+        name = "fast" if single_cuda and torch.cuda.is_available() else "transformers"
+    if name == "transformers":
         return TransformersRollout()
+    if name == "fast":
+        return FastRollout()
     raise ValueError(
-        f"rollout_backend={name!r} is not available in this version of trl-qerl; use 'transformers' (or 'auto')."
+        f"rollout_backend={name!r} is not available in this version of trl-qerl; use 'auto', 'fast' or 'transformers'."
     )

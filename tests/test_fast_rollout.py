@@ -1,0 +1,188 @@
+"""Static-cache rollouts: exact greedy agreement with model.generate, sampling distributions, EOS and length
+handling, AQN visibility, compile-once, and the logged fallback."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+from _tiny import tiny_chat_checkpoint, tiny_model
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+from trl_qerl.noise import NormNoise
+from trl_qerl.quantizer import quantize_model
+from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator, filter_logits, sample_tokens
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12]]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _reference(model, prompts, max_new_tokens, eos, pad=0):
+    """model.generate on left-padded prompts, cut after the first EOS."""
+    length = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts], device=model.device)
+    mask = (ids != pad).long()
+    for row, prompt in enumerate(prompts):
+        mask[row, length - len(prompt) :] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=pad)[:, length:].tolist()  # fmt: skip
+    trimmed = []
+    for row in out:
+        cut = next((i + 1 for i, t in enumerate(row) if t == eos), len(row))
+        trimmed.append(row[:cut])
+    return trimmed
+
+
+def _models():
+    base = tiny_model("qwen2", dtype=torch.float32).to(DEVICE)
+    nvfp4 = quantize_model(tiny_model("qwen2", dtype=torch.float32)).to(DEVICE)
+    with_lora = get_peft_model(quantize_model(tiny_model("llama", dtype=torch.float32)), nvfp4_lora_config(r=4))
+    with torch.no_grad():
+        for name, param in with_lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # a non-trivial adapter
+    return {"fp32": base, "nvfp4": nvfp4, "nvfp4+lora": with_lora.to(DEVICE)}
+
+
+@pytest.mark.parametrize("kind", ["fp32", "nvfp4", "nvfp4+lora"])
+def test_greedy_equals_model_generate(kind):
+    model = _models()[kind].eval()
+    generator = StaticCacheGenerator(model, cuda_graph=False, check_every=4)
+    reference = _reference(model, PROMPTS, 16, eos=1)
+    eos = reference[0][3]  # a token the model really emits: makes row 0 (and maybe others) stop early
+    first = reference[0].index(eos)
+    reference = _reference(model, PROMPTS, 16, eos=eos)
+    ours = generator.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0), [eos], pad_token_id=0)
+    assert ours == reference
+    assert len(ours[0]) == first + 1 and ours[0][-1] == eos
+    assert all(len(row) <= 16 for row in ours)
+
+
+def test_filters_match_transformers_warpers():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=20, top_p=0.8, min_p=0.05)
+    expected = logits.clone()
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)):
+        expected = warper(None, expected)
+    ours = filter_logits(logits, params)
+    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+    assert torch.allclose(ours[~torch.isinf(ours)], expected[~torch.isinf(expected)])
+
+
+def test_sampling_follows_the_filtered_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12) * 2
+    params = SamplingParams(max_new_tokens=1, temperature=0.8, top_k=8, top_p=0.95, min_p=0.02)
+    expected = filter_logits(logits, params).softmax(-1)[0]
+    draws = sample_tokens(logits.expand(20000, -1), params)
+    observed = torch.bincount(draws, minlength=12).float() / draws.numel()
+    assert (observed - expected).abs().sum() / 2 < 0.02  # total variation distance
+    assert observed[expected == 0].sum() == 0  # filtered tokens are never drawn
+
+
+def test_sampled_rollouts_have_the_model_distribution():
+    """First token of sampled rollouts vs the model's own next-token distribution."""
+    model = _models()["fp32"].eval()
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        probs = model(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float().softmax(-1).cpu()
+    generator = StaticCacheGenerator(model, cuda_graph=False)
+    torch.manual_seed(1)
+    rows = generator.generate([prompt] * 4000, SamplingParams(max_new_tokens=1, temperature=1.0), [1], 0)
+    observed = torch.bincount(torch.tensor([r[0] for r in rows]), minlength=probs.numel()).float() / len(rows)
+    assert (observed - probs).abs().sum() / 2 < 0.08
+
+
+def test_generation_sees_aqn_noise_and_its_removal():
+    model = _models()["nvfp4"].eval()
+    generator = StaticCacheGenerator(model)  # CUDA-graphed on CUDA
+    noise = NormNoise(model, seed=0)
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    clean = generator.generate(PROMPTS, params, [1], 0)
+    outputs = []
+    for draw in range(2):
+        noise.set_step(draw, 0.3)
+        with noise.rollout():
+            outputs.append(generator.generate(PROMPTS, params, [1], 0))
+    assert outputs[0] != clean and outputs[0] != outputs[1]  # every replay sees the current noise
+    assert generator.generate(PROMPTS, params, [1], 0) == clean
+    assert generator.captures == (1 if torch.cuda.is_available() else 0)  # captured once, replayed since
+
+
+def test_bad_sampling_parameters():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError, match="no empty prompt"):
+        StaticCacheGenerator(tiny_model()).generate([[]], SamplingParams(max_new_tokens=2), [1], 0)
+
+
+# -- in the trainer ------------------------------------------------------------------------------------------
+def _trainer(tmp_path, backend):
+    from trl_qerl.config import QeRLConfig
+    from trl_qerl.data import tiny_arithmetic_dataset
+    from trl_qerl.rewards import completion_text
+    from trl_qerl.trainer import QeRLGRPOTrainer
+
+    def varied(completions, **kwargs):
+        return [len(set(completion_text(c))) / 10 for c in completions]
+
+    checkpoint = tiny_chat_checkpoint(tmp_path / "tiny")
+    args = QeRLConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=8, report_to="none", lora_r=4, save_strategy="no", use_cpu=True,
+                      rollout_backend=backend, top_k=10, top_p=0.9, gradient_checkpointing=False)  # fmt: skip
+    return QeRLGRPOTrainer(str(checkpoint), reward_funcs=varied, args=args,
+                           train_dataset=tiny_arithmetic_dataset("train", limit=8))  # fmt: skip
+
+
+def test_trainer_trains_with_the_fast_backend(tmp_path):
+    trainer = _trainer(tmp_path, "fast")
+    assert trainer.rollout_backend.name == "fast"
+    trainer.train()
+    assert trainer.rollout_backend.disabled_reason is None
+    assert trainer.state.log_history[0]["completions/max_length"] <= 8
+
+
+def test_fast_backend_falls_back_to_generate_with_a_log(tmp_path, monkeypatch, caplog):
+    trainer = _trainer(tmp_path, "fast")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor exploded")
+
+    monkeypatch.setattr(StaticCacheGenerator, "generate", broken)
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout"):
+        trainer.train()
+    assert "inductor exploded" in trainer.rollout_backend.disabled_reason
+    assert any("falling back to transformers generate" in r.message for r in caplog.records)
+
+
+def test_auto_backend_is_transformers_on_cpu(tmp_path):
+    assert _trainer(tmp_path, "auto").rollout_backend.name == ("fast" if torch.cuda.is_available() else "transformers")
+
+
+def test_buffers_are_built_once_per_shape_and_reused():
+    model = _models()["fp32"].eval()
+    generator = StaticCacheGenerator(model, cuda_graph=False)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    generator.generate(PROMPTS, params, [1], 0)
+    state = next(iter(generator._states.values()))
+    for _ in range(3):
+        generator.generate(PROMPTS, params, [1], 0)
+    assert list(generator._states.values()) == [state]  # same buffers (and on CUDA the same captured graph)
+    generator.generate([[5] * 300], params, [1], 0)  # a longer prompt needs a bigger cache: one new shape
+    assert next(iter(generator._states.values())) is not state
