@@ -71,6 +71,8 @@ def random_tensor(name: str, shape, device, std=WEIGHT_STD) -> torch.Tensor:
 
 def write_checkpoint(config, path: Path, device: str) -> int:
     """Random bf16 checkpoint, one shard per layer; returns its tensor bytes."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}

@@ -162,6 +162,7 @@ class NormNoise:
         self._draws = 0
         self._clean: list[torch.Tensor] | None = None
         self._weights: list[torch.Tensor] | None = None
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def _current_weights(self) -> list[torch.Tensor]:
         return [_active_module(module).weight for module in self.modules.values()]
@@ -176,19 +177,23 @@ class NormNoise:
 
     @torch.no_grad()
     def perturb(self, sigma: float | None = None) -> None:
-        """Set every target weight to its clean value plus fresh N(0, σ²) noise (σ defaults to `self.sigma`)."""
+        """Set every target weight to its clean value plus fresh N(0, σ²) noise (σ defaults to `self.sigma`).
+
+        A handful of kernels whatever the number of norms: one fused copy, one draw per (device, dtype), one fused add.
+        """
         sigma = self.sigma if sigma is None else sigma
         if self._clean is None:
             self._weights = self._current_weights()
             self._clean = [w.detach().clone() for w in self._weights]
         torch._foreach_copy_(self._weights, self._clean)
         if sigma > 0:
-            for device, indices in self._by_device().items():
-                generator = torch.Generator(device=device).manual_seed(self._next_seed())
+            seed = self._next_seed()
+            for (device, dtype), indices in self._groups().items():
+                generator = self._generator(device).manual_seed(seed)
                 sizes = [self._weights[i].numel() for i in indices]
-                flat = torch.randn(sum(sizes), generator=generator, device=device, dtype=torch.float32) * sigma
-                noise = [chunk.to(self._weights[i].dtype) for i, chunk in zip(indices, flat.split(sizes))]
-                torch._foreach_add_([self._weights[i] for i in indices], noise)
+                flat = torch.randn(sum(sizes), generator=generator, device=device, dtype=dtype)
+                noise = [chunk.view_as(self._weights[i]) for i, chunk in zip(indices, flat.split(sizes))]
+                torch._foreach_add_([self._weights[i] for i in indices], noise, alpha=sigma)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -208,11 +213,16 @@ class NormNoise:
             if not was_perturbed:
                 self.restore()
 
-    def _by_device(self) -> dict[torch.device, list[int]]:
-        groups: dict[torch.device, list[int]] = {}
+    def _groups(self) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, weight in enumerate(self._weights):
-            groups.setdefault(weight.device, []).append(index)
+            groups.setdefault((weight.device, weight.dtype), []).append(index)
         return groups
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
 
     def _next_seed(self) -> int:
         self._draws += 1
