@@ -78,13 +78,12 @@ def test_aqn_noise_reaches_rollouts_but_not_the_loss_forward(checkpoint, dataset
     trainer = QeRLGRPOTrainer(str(checkpoint), reward_funcs=varied_reward, args=args, train_dataset=dataset)
     noise = trainer.aqn_callback.noise
     name = "base_model.model.model.layers.0.input_layernorm"
-    index = list(noise.modules).index(name)
     norm = trainer.model.get_submodule(name).modules_to_save["default"]
     rollouts, training_forwards = [], []
     original = trainer.rollout_backend.generate
 
     def generate(*a, **k):
-        rollouts.append((trainer.state.global_step, norm.weight.detach().clone(), noise._clean[index].clone()))
+        rollouts.append((trainer.state.global_step, norm.weight.detach().clone(), noise.clean_weight(name).clone()))
         return original(*a, **k)
 
     def record(module, inputs):

@@ -151,6 +151,10 @@ class NormNoise:
         model: a transformers model, possibly PEFT-wrapped (trained norms get the noise on top).
         targets: leaf names of the norms to perturb.
         seed: base seed; the noise of call ``i`` at step ``s`` depends only on ``(seed, s, i)``.
+
+    The norms are resolved once, here: create it after wrapping the model with PEFT. Clean copies and noise live
+    in persistent flat buffers per (device, dtype), so a perturb/restore cycle is a few fused kernels whatever the
+    number of layers.
     """
 
     def __init__(self, model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS, seed: int = 0) -> None:
@@ -160,16 +164,25 @@ class NormNoise:
         self.step = 0
         self.sigma = 0.0
         self._draws = 0
-        self._clean: list[torch.Tensor] | None = None
-        self._weights: list[torch.Tensor] | None = None
+        self._perturbed = False
+        self._weights = [_active_module(module).weight for module in self.modules.values()]
+        self._buffers: dict[tuple[torch.device, torch.dtype], _Buffers] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _current_weights(self) -> list[torch.Tensor]:
-        return [_active_module(module).weight for module in self.modules.values()]
+        return list(self._weights)
 
     @property
     def is_perturbed(self) -> bool:
-        return self._clean is not None
+        return self._perturbed
+
+    def clean_weight(self, name: str) -> torch.Tensor | None:
+        """The clean (noise-free) weight of norm ``name`` while perturbed, else None."""
+        if not self._perturbed:
+            return None
+        weight = self._weights[list(self.modules).index(name)]
+        group = self._buffers[(weight.device, weight.dtype)]
+        return group.clean[next(i for i, w in enumerate(group.weights) if w is weight)]
 
     def set_step(self, step: int, sigma: float) -> None:
         """Move to training step ``step`` with noise level ``sigma`` (restarts the per-step draw counter)."""
@@ -177,30 +190,27 @@ class NormNoise:
 
     @torch.no_grad()
     def perturb(self, sigma: float | None = None) -> None:
-        """Set every target weight to its clean value plus fresh N(0, σ²) noise (σ defaults to `self.sigma`).
-
-        A handful of kernels whatever the number of norms: one fused copy, one draw per (device, dtype), one fused add.
-        """
+        """Set every target weight to its clean value plus fresh N(0, σ²) noise (σ defaults to `self.sigma`)."""
         sigma = self.sigma if sigma is None else sigma
-        if self._clean is None:
-            self._weights = self._current_weights()
-            self._clean = [w.detach().clone() for w in self._weights]
-        torch._foreach_copy_(self._weights, self._clean)
-        if sigma > 0:
-            seed = self._next_seed()
-            for (device, dtype), indices in self._groups().items():
-                generator = self._generator(device).manual_seed(seed)
-                sizes = [self._weights[i].numel() for i in indices]
-                flat = torch.randn(sum(sizes), generator=generator, device=device, dtype=dtype)
-                noise = [chunk.view_as(self._weights[i]) for i, chunk in zip(indices, flat.split(sizes))]
-                torch._foreach_add_([self._weights[i] for i in indices], noise, alpha=sigma)
+        groups = self._groups()
+        if not self._perturbed:  # snapshot the clean weights (they change between rollouts when norms are trained)
+            for group in groups:
+                torch._foreach_copy_(group.clean, group.weights)
+            self._perturbed = True
+        seed = self._next_seed() if sigma > 0 else None
+        for group in groups:
+            torch._foreach_copy_(group.weights, group.clean)
+            if seed is not None:
+                group.noise.normal_(generator=self._generator(group.noise.device).manual_seed(seed))
+                torch._foreach_add_(group.weights, group.noise_views, alpha=sigma)
 
     @torch.no_grad()
     def restore(self) -> None:
         """Copy the clean weights back (bit-exact); a no-op when not perturbed."""
-        if self._clean is not None:
-            torch._foreach_copy_(self._weights, self._clean)
-        self._clean = self._weights = None
+        if self._perturbed:
+            for group in self._groups():
+                torch._foreach_copy_(group.weights, group.clean)
+        self._perturbed = False
 
     @contextmanager
     def rollout(self, sigma: float | None = None) -> Iterator[None]:
@@ -213,11 +223,18 @@ class NormNoise:
             if not was_perturbed:
                 self.restore()
 
-    def _groups(self) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for index, weight in enumerate(self._weights):
-            groups.setdefault((weight.device, weight.dtype), []).append(index)
-        return groups
+    def _groups(self) -> list[_Buffers]:
+        """Buffers per (device, dtype) of the weights, (re)built when the weights moved or changed dtype."""
+        wanted: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for weight in self._weights:
+            wanted.setdefault((weight.device, weight.dtype), []).append(weight)
+        if set(wanted) != set(self._buffers) or any(
+            len(self._buffers[key].weights) != len(weights) for key, weights in wanted.items()
+        ):
+            if self._perturbed:
+                raise RuntimeError("AQN norms changed device or dtype while perturbed; restore() first.")
+            self._buffers = {key: _Buffers(weights) for key, weights in wanted.items()}
+        return list(self._buffers.values())
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -227,6 +244,18 @@ class NormNoise:
     def _next_seed(self) -> int:
         self._draws += 1
         return zlib.crc32(f"{self.seed}:{self.step}:{self._draws}".encode())
+
+
+class _Buffers:
+    """Clean copies and a noise buffer, flat, for weights sharing a device and dtype."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        self.weights = weights
+        sizes = [w.numel() for w in weights]
+        flat_clean = torch.empty(sum(sizes), device=weights[0].device, dtype=weights[0].dtype)
+        self.noise = torch.empty_like(flat_clean)
+        self.clean = [c.view_as(w) for c, w in zip(flat_clean.split(sizes), weights)]
+        self.noise_views = [n.view_as(w) for n, w in zip(self.noise.split(sizes), weights)]
 
 
 class AQNCallback(TrainerCallback):
