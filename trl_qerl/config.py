@@ -9,6 +9,7 @@ Every TRL field still works. Defaults that differ from TRL's, following the pape
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +44,10 @@ class QeRLConfig(GRPOConfig):
         (`list[str]`), aqn_apply_to_training (`bool`, defaults to `False`).
 
     Parameters that control rollouts:
-        rollout_backend (`str`, defaults to `"auto"`).
+        rollout_backend (`str`, defaults to `"auto"`; `use_vllm=True` selects `"vllm"`), vllm_checkpoint_dir,
+        vllm_adapter_dir, vllm_max_lora_rank, vllm_enforce_eager, vllm_engine_kwargs (see the fields' help). TRL's
+        ``vllm_mode``, ``vllm_gpu_memory_utilization``, ``vllm_enable_sleep_mode``, ``vllm_max_model_length``,
+        ``vllm_server_*`` and ``vllm_importance_sampling_*`` fields apply too.
     """
 
     # Parameters whose defaults differ from TRL's
@@ -115,11 +119,49 @@ class QeRLConfig(GRPOConfig):
         },
     )
 
+    vllm_checkpoint_dir: str | None = field(
+        default=None,
+        metadata={"help": "vLLM backend (colocate): the base checkpoint vLLM loads. A directory holding one (e.g. "
+                  "from `trl-qerl quantize`, the model you train) is used as is; an empty one receives the base "
+                  "exported from the training model; default: a temporary directory."},  # fmt: skip
+    )
+    vllm_adapter_dir: str | None = field(
+        default=None,
+        metadata={"help": "vLLM backend (colocate): where per-step adapters are written; default: tmpfs "
+                  "(/dev/shm) when available."},  # fmt: skip
+    )
+    vllm_max_lora_rank: int | None = field(
+        default=None,
+        metadata={"help": "vLLM backend (colocate): vLLM's max_lora_rank (1, 8, 16, 32, 64, 128, 256, 320, 512); "
+                  "default: the smallest one >= the LoRA rank."},  # fmt: skip
+    )
+    vllm_enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "vLLM backend (colocate): disable CUDA graphs in vLLM (slower; saves memory and start-up "
+                  "time)."},  # fmt: skip
+    )
+    vllm_engine_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "vLLM backend (colocate): extra keyword arguments for vllm.LLM (a JSON string on the "
+                  "command line), e.g. '{\"max_num_batched_tokens\": 8192}'."},  # fmt: skip
+    )
+
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.rollout_backend not in ROLLOUT_BACKENDS:
             raise ValueError(f"rollout_backend must be one of {ROLLOUT_BACKENDS}, got {self.rollout_backend!r}.")
+        if self.use_vllm and self.rollout_backend not in ("auto", "vllm"):
+            raise ValueError(f"use_vllm=True asks for vLLM rollouts but rollout_backend={self.rollout_backend!r}.")
+        if self.rollout_backend == "vllm" or self.use_vllm:
+            self.rollout_backend, self.use_vllm = "vllm", True
+            if self.quantization in ("nf4", "none"):
+                raise ValueError(
+                    f"The vLLM backend serves NVFP4 or 16-bit bases with LoRA; quantization={self.quantization!r} "
+                    "cannot use it. Use quantization='nvfp4' or 'bf16', or rollout_backend='auto'."
+                )
+        if isinstance(self.vllm_engine_kwargs, str):
+            self.vllm_engine_kwargs = json.loads(self.vllm_engine_kwargs)
         if self.quantization != "none" and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
             raise ValueError(f"lora_r must be a positive integer, got {self.lora_r!r}.")
         if self.max_steps == 0:

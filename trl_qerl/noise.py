@@ -94,7 +94,7 @@ def _is_rms_norm_like(module: nn.Module) -> bool:
     return isinstance(weight, torch.Tensor) and weight.ndim == 1 and has_eps and getattr(module, "bias", None) is None
 
 
-def _active_module(module: nn.Module) -> nn.Module:
+def active_module(module: nn.Module) -> nn.Module:
     """The module that runs: for a PEFT ``modules_to_save`` wrapper, its trained copy (noise goes on top of it)."""
     copies = getattr(module, "modules_to_save", None)
     if isinstance(copies, nn.ModuleDict) and not getattr(module, "disable_adapters", False):
@@ -105,6 +105,19 @@ def _active_module(module: nn.Module) -> nn.Module:
     return getattr(module, "original_module", module)
 
 
+def rms_norms(model: nn.Module) -> dict[str, nn.Module]:
+    """Every RMSNorm-like module by qualified name; PEFT ``modules_to_save`` wrappers are kept whole (resolve the
+    module that runs with `active_module`)."""
+    found = {}
+    for name, module in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf in ("original_module", "modules_to_save") or ".modules_to_save." in name:
+            continue
+        if _is_rms_norm_like(active_module(module)):
+            found[name] = module
+    return found
+
+
 def find_noise_norms(model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS) -> dict[str, nn.Module]:
     """The RMSNorm-like modules that AQN perturbs, by qualified name (PEFT wrappers resolved at use time).
 
@@ -112,14 +125,10 @@ def find_noise_norms(model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS)
     ``pre_feedforward_layernorm`` (Gemma 2/3) that norm replaces ``post_attention_layernorm``. Raises a
     `ValueError` listing the norm-like modules found when no target matches.
     """
-    found, candidates = {}, []
-    for name, module in model.named_modules():
+    candidates = rms_norms(model)
+    found = {}
+    for name, module in candidates.items():
         parent, _, leaf = name.rpartition(".")
-        if leaf in ("original_module", "modules_to_save") or ".modules_to_save." in name:
-            continue
-        if not _is_rms_norm_like(_active_module(module)):
-            continue
-        candidates.append(name)
         wanted = leaf in targets
         alternative = _MLP_NORM_ALTERNATIVES.get(leaf)
         if wanted and alternative and _has_child(model, parent, alternative):
@@ -129,9 +138,10 @@ def find_noise_norms(model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS)
         if wanted:
             found[name] = module
     if not found:
+        names = list(candidates)
         raise ValueError(
             f"AQN found none of the target norms {list(targets)} in {type(model).__name__}. RMSNorm-like modules "
-            f"present: {candidates[:12]}{' ...' if len(candidates) > 12 else ''}. Pass `aqn_targets` with the names "
+            f"present: {names[:12]}{' ...' if len(names) > 12 else ''}. Pass `aqn_targets` with the names "
             "of the norms that feed the attention and MLP projections."
         )
     return found
@@ -165,7 +175,7 @@ class NormNoise:
         self.sigma = 0.0
         self._draws = 0
         self._perturbed = False
-        self._weights = [_active_module(module).weight for module in self.modules.values()]
+        self._weights = [active_module(module).weight for module in self.modules.values()]
         self._buffers: dict[tuple[torch.device, torch.dtype], _Buffers] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
 

@@ -175,21 +175,30 @@ class QeRLGRPOTrainer(GRPOTrainer):
             reward_funcs = _guard_reward(reward_funcs)
         self._timings: defaultdict[str, float] = defaultdict(float)
 
-        super().__init__(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            **kwargs,
-        )
+        # TRL's own vLLM path would start a second engine and merge LoRA into the 4-bit base: keep it off while
+        # GRPOTrainer initialises, then turn `use_vllm` on so that its importance-sampling correction runs.
+        use_vllm, args.use_vllm = args.use_vllm, False
+        try:
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                **kwargs,
+            )
+        finally:
+            args.use_vllm = use_vllm
         # First in line, so that reporting callbacks see aqn/sigma in the logs it adds
         self.callback_handler.callbacks.insert(0, self.aqn_callback)
         self.aqn_callback.attach(self.model, seed=args.seed)
         self._cast_adapters_to_compute_dtype()
         self.rollout_backend = rollout_backend or make_rollout_backend(args.rollout_backend, self)
+        if getattr(self.rollout_backend, "name", None) == "vllm":
+            self.use_vllm, self.vllm_mode, self._last_loaded_step = True, args.vllm_mode, -1
+            self.vllm_generation = self.rollout_backend  # what TRL's rollout_func and tool paths reach for
 
     def _cast_adapters_to_compute_dtype(self) -> None:
         """Adapters in bf16 on an NVFP4 base, as TRL does for QLoRA (PEFT's autocast_adapter_dtype makes them fp32)."""

@@ -5,6 +5,8 @@ A backend turns tokenised prompts into completion token ids, with the signature 
 
 * ``transformers``: TRL's own ``model.generate`` path (dynamic cache, no compilation); works everywhere.
 * ``fast``: static KV cache + CUDA-graphed decode step (`trl_qerl.rollout.fast`); the default on CUDA.
+* ``vllm``: a vLLM engine on the quantised base, adapters hot-swapped, AQN in its norms (`trl_qerl.rollout.vllm`);
+  in this process (``vllm_mode="colocate"``) or behind ``trl-qerl vllm-serve`` (``"server"``).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def _unsupported(trainer, images) -> str | None:
 
 
 def make_rollout_backend(name: str, trainer: GRPOTrainer) -> RolloutBackend:
-    """The backend for ``QeRLConfig.rollout_backend``: "auto" picks "fast" on a single CUDA device."""
+    """The backend for ``QeRLConfig.rollout_backend``: "auto" picks "fast" on a single CUDA device (the config
+    turns "auto" into "vllm" when ``use_vllm=True``)."""
     if name == "auto":
         single_cuda = trainer.accelerator.device.type == "cuda" and trainer.accelerator.num_processes == 1
         name = "fast" if single_cuda and torch.cuda.is_available() else "transformers"
@@ -111,6 +114,8 @@ def make_rollout_backend(name: str, trainer: GRPOTrainer) -> RolloutBackend:
         return TransformersRollout()
     if name == "fast":
         return FastRollout()
-    raise ValueError(
-        f"rollout_backend={name!r} is not available in this version of trl-qerl; use 'auto', 'fast' or 'transformers'."
-    )
+    if name == "vllm":
+        from .vllm import make_vllm_rollout
+
+        return make_vllm_rollout(trainer)
+    raise ValueError(f"Unknown rollout_backend={name!r}; use 'auto', 'fast', 'transformers' or 'vllm'.")
