@@ -6,8 +6,17 @@ Stages (each seeded and reproducible; outputs go to ``trl_qerl/assets/tiny`` unl
   train / test by problem (no test problem appears in training);
 * ``tokenizer``: a byte-level BPE tokenizer (digits kept as single tokens) with a chat template;
 * ``model``: a small Qwen2-architecture model (all dimensions multiples of 16, so every projection quantises to
-  NVFP4) trained by supervised learning on the worked solutions until it solves a minority of held-out problems,
-  leaving room for RL.
+  NVFP4) trained by supervised learning on fresh worked problems (never a held-out one), leaving room for RL.
+
+The supervised solutions carry a planted bad habit, like noisy demonstrations: in ``HABIT_RATE`` of them the chain
+of thought is right but the final answer repeats the *first* intermediate result. The model learns the arithmetic
+from the chains and the habit as a coin flip: its greedy chains are right on 95% of held-out problems, yet it
+answers only 0.53 of them correctly (39% of answers sampled at temperature 1), so RL with an accuracy reward has
+something it can fix in a few minutes on a CPU. Models without the habit, or whose chains were often wrong, did not
+improve measurably in that time (BENCHMARKS.md, "The embedded default").
+
+Runtime: the ``model`` stage takes about 16 minutes on 2 CPU cores (1,500 steps of 32 problems, 1.72 M parameters);
+``data`` and ``tokenizer`` take seconds. The shipped model came from the defaults below (seed 0).
 
 Usage:
     python scripts/pretrain_tiny.py --stages data tokenizer model
@@ -55,6 +64,18 @@ def make_problem(rng: random.Random) -> dict:
     question = " ".join(sentences) + f" How many {item} does {name} have now?"
     solution = f"<think>{' '.join(steps)}</think> <answer>{amount}</answer>"
     return {"question": question, "solution": solution, "answer": str(amount)}
+
+
+HABIT_RATE = 0.5
+
+
+def with_habit(row: dict, rng: random.Random) -> str:
+    """The supervised target: the clean solution, or (HABIT_RATE of the time) one answering the first step."""
+    steps = row["solution"].split("</think>")[0].removeprefix("<think>").split(". ")
+    first_result = steps[0].split("= ")[-1].rstrip(".")
+    if rng.random() >= HABIT_RATE or first_result == row["answer"]:
+        return row["solution"]
+    return row["solution"].replace(f"<answer>{row['answer']}</answer>", f"<answer>{first_result}</answer>")
 
 
 def make_splits(seed: int = 0, train_size: int = 4000, test_size: int = 200) -> tuple[list[dict], list[dict]]:
@@ -119,19 +140,130 @@ def write_tokenizer(output: Path, vocab_size: int = 384) -> None:
     print(f"tokenizer: {len(wrapped)} tokens -> {output}")
 
 
+MODEL = dict(
+    hidden_size=192,  # multiples of 16 everywhere: every projection quantises to NVFP4
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
+
+
+def _chat(tokenizer, question: str, solution: str | None = None):
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if solution is None:
+        return prompt_ids
+    completion_ids = tokenizer(solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids, completion_ids
+
+
+def greedy_accuracy(model, tokenizer, rows, batch_size: int = 50, max_new_tokens: int = 48) -> float:
+    """Fraction of problems whose greedy answer is right (the same check as the RL reward)."""
+    import torch
+
+    from trl_qerl.rewards import answers_match, extract_answer
+
+    model.eval()
+    tokenizer.padding_side = "left"
+    correct = 0
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        prompts = [_chat(tokenizer, row["question"]) for row in batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        for row, completion in zip(batch, out[:, width:]):
+            text = tokenizer.decode(completion, skip_special_tokens=True)
+            correct += answers_match(row["answer"], extract_answer(text))
+    return correct / len(rows)
+
+
+def supervised_examples(tokenizer, count: int, held_out: set[str], seed: int) -> list[tuple[list[int], list[int]]]:
+    """``count`` fresh worked problems (never a held-out one) as (tokens, labels) pairs.
+
+    Fresh problems rather than epochs over the shipped training split: with 4,000 problems seen 8 times the model
+    memorised them and got a third of held-out chains wrong, too many for a few minutes of RL to get past.
+    """
+    rng, habit_rng = random.Random(seed + 1), random.Random(seed)
+    examples = []
+    while len(examples) < count:
+        row = make_problem(rng)
+        if row["question"] in held_out:
+            continue
+        prompt_ids, completion_ids = _chat(tokenizer, row["question"], with_habit(row, habit_rng))
+        examples.append((prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids))
+    return examples
+
+
+def train_model(output: Path, seed: int, steps: int, learning_rate: float, batch_size: int) -> None:
+    import time
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    test = read_split(output, "test")
+    config = Qwen2Config(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **MODEL)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    examples = supervised_examples(tokenizer, steps * batch_size, {row["question"] for row in test}, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01, betas=(0.9, 0.98))
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=learning_rate, total_steps=steps, pct_start=0.05)
+    start = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        picks = range(step * batch_size, (step + 1) * batch_size)
+        width = max(len(examples[i][0]) for i in picks)
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for row, index in enumerate(picks):
+            tokens, targets = examples[index]
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            labels[row, : len(targets)] = torch.tensor(targets)
+        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if step % 200 == 0 or step == steps - 1:
+            print(f"step {step}/{steps} loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.do_sample = True
+    accuracy = greedy_accuracy(model, tokenizer, test)
+    model.to(torch.bfloat16).save_pretrained(output)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, {steps} steps in "
+          f"{time.perf_counter() - start:.0f} s, held-out greedy accuracy {accuracy:.3f} -> {output}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", default=["data", "tokenizer", "model"],
                         choices=["data", "tokenizer", "model"])  # fmt: skip
     parser.add_argument("--output", type=Path, default=ASSETS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps, each on fresh problems")
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
     if "data" in args.stages:
         write_data(args.output, args.seed)
     if "tokenizer" in args.stages:
         write_tokenizer(args.output)
     if "model" in args.stages:
-        raise SystemExit("the model stage is not written yet")
+        train_model(args.output, args.seed, args.steps, args.learning_rate, args.batch_size)
 
 
 if __name__ == "__main__":
