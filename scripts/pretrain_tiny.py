@@ -231,7 +231,8 @@ def train_model(output: Path, seed: int, steps: int, learning_rate: float, batch
             tokens, targets = examples[index]
             ids[row, : len(tokens)] = torch.tensor(tokens)
             labels[row, : len(targets)] = torch.tensor(targets)
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels).loss
+        attention_mask = (labels != -100) | (ids != tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -30,7 +30,8 @@ MAIN = {
     "NVFP4 LoRA + AQN": dict(quantization="nvfp4", aqn_schedule="exponential"),
     "full fine-tuning": dict(quantization="none", aqn_schedule="off"),
 }
-ABLATION = {name: dict(quantization="nvfp4", aqn_schedule=name) for name in ("exponential", "linear", "cosine", "logarithmic")}
+SCHEDULES = ("exponential", "linear", "cosine", "logarithmic")
+ABLATION = {name: dict(quantization="nvfp4", aqn_schedule=name) for name in SCHEDULES}
 
 
 def run(name: str, settings: dict, seed: int, args, root: Path) -> dict:
@@ -82,8 +83,9 @@ def plot(groups: dict[str, list[dict]], path: Path, title: str) -> None:
 
 
 def table(groups: dict[str, list[dict]]) -> str:
-    lines = ["| run | seeds | held-out accuracy before | after (mean ± std) | mean reward, last 10 steps | mean entropy |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    columns = ["run", "seeds", "held-out accuracy before", "after (mean ± std)", "mean reward, last 10 steps",
+               "mean entropy"]  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for name, results in groups.items():
         after = [r["accuracy_after"] for r in results]
         before = statistics.mean(r["accuracy_before"] for r in results)

@@ -127,10 +127,22 @@ def run_demo(
     batch: int = DEMO_DEFAULTS["batch"],
     learning_rate: float = DEMO_DEFAULTS["learning_rate"],
     temperature: float = DEMO_DEFAULTS["temperature"],
-    sampled_eval: bool = True,
     verbose: bool = True,
 ) -> dict:
-    """Train the shipped tiny model with QeRL and return before/after accuracies and the output paths."""
+    """Train the shipped tiny model with QeRL and return before/after accuracies and the output paths.
+
+    Args:
+        output_dir: where the adapter, ``metrics.csv``, ``metrics.png`` and ``summary.json`` go.
+        steps: GRPO steps (each on ``batch`` completions, ``batch / 8`` prompts).
+        seed: seeds the trainer, the noise draws and sampling.
+        eval_problems: held-out problems (at most 200) scored greedily before and after training.
+        quantization: ``"nvfp4"`` (QeRL), ``"bf16"`` (16-bit LoRA) or ``"none"`` (full fine-tuning).
+        aqn_schedule: the AQN decay (``"exponential"``, ``"linear"``, ``"cosine"``, ``"logarithmic"``, ``"off"``).
+        batch: completions per step.
+        learning_rate: the LoRA (or, with ``"none"``, full-model) learning rate.
+        temperature: rollout sampling temperature.
+        verbose: show the progress bar with the live reward line.
+    """
     import warnings
 
     from transformers import AutoTokenizer, PrinterCallback
@@ -213,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if not 1 <= args.eval_problems <= 200:
-        parser.error(f"--eval-problems must be between 1 and 200 (the shipped held-out split), got {args.eval_problems}")
+        parser.error(f"--eval-problems must be between 1 and 200 (the held-out split), got {args.eval_problems}")
     device = "GPU" if torch.cuda.is_available() else "CPU"
     print(f"trl-qerl demo: DAPO + LoRA + AQN on an NVFP4 tiny model, {args.steps} steps on {device}\n", flush=True)
     summary = run_demo(args.output_dir, steps=args.steps, seed=args.seed, eval_problems=args.eval_problems)
