@@ -1,6 +1,7 @@
 """The embedded default really learns: a shortened, seeded `trl-qerl demo` raises held-out accuracy."""
 
 import csv
+import importlib.util
 import json
 
 import pytest
@@ -21,7 +22,10 @@ def test_shortened_demo_raises_held_out_accuracy(tmp_path):
     assert {"reward", "entropy", "sigma"} <= set(rows[0])
     sigmas = [float(row["sigma"]) for row in rows]
     assert sigmas[0] == 0.0 and max(sigmas) > 0.0, "AQN: stage 0 is noise-free, later stages add noise"
-    assert (tmp_path / "metrics.png").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "metrics.png").stat().st_size > 0
+    else:
+        assert summary["plot"] is None
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["accuracy_after"] == summary["accuracy_after"]
 

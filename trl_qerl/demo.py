@@ -229,9 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = "GPU" if torch.cuda.is_available() else "CPU"
     print(f"trl-qerl demo: DAPO + LoRA + AQN on an NVFP4 tiny model, {args.steps} steps on {device}\n", flush=True)
     summary = run_demo(args.output_dir, steps=args.steps, seed=args.seed, eval_problems=args.eval_problems)
+    plot = summary["plot"] or "none (pip install 'trl-qerl[plot]' for the PNG)"
     print(
         f"\nheld-out accuracy: {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
         f"({summary['train_seconds']:.0f} s of training)\nadapter: {summary['adapter']}\nmetrics: "
-        f"{summary['metrics_csv']}\nplot: {summary['plot']}"
+        f"{summary['metrics_csv']}\nplot: {plot}"
     )
     return 0
