@@ -2,6 +2,7 @@
 checkpoint + resume, the Hub push (faked at the boundary), the CLI, and clear errors for bad input."""
 
 import json
+import logging
 import warnings
 
 import pytest
@@ -231,3 +232,12 @@ def test_nf4_needs_cuda_and_configs_must_be_qerl(checkpoint, dataset, tmp_path):
                             train_dataset=dataset)  # fmt: skip
     with pytest.raises(TypeError, match="needs a QeRLConfig"):
         QeRLGRPOTrainer(str(checkpoint), args=GRPOConfig(str(tmp_path), use_cpu=True), train_dataset=dataset)
+
+
+def test_model_init_kwargs_load_the_policy_without_a_spurious_warning(checkpoint, dataset, tmp_path, caplog):
+    args = _args(tmp_path, model_init_kwargs={"dtype": torch.bfloat16})
+    with caplog.at_level(logging.WARNING):
+        trainer = QeRLGRPOTrainer(str(checkpoint), reward_funcs=accuracy_reward, args=args, train_dataset=dataset)
+    assert "model_init_kwargs" not in caplog.text  # they were used (by our loader), not ignored
+    assert trainer.model.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
+    assert trainer.args.model_init_kwargs == {"dtype": torch.bfloat16}

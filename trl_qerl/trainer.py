@@ -177,7 +177,13 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
         # TRL's own vLLM path would start a second engine and merge LoRA into the 4-bit base: keep it off while
         # GRPOTrainer initialises, then turn `use_vllm` on so that its importance-sampling correction runs.
+        # load_policy used `model_init_kwargs`; GRPOTrainer (TRL 1.16) would warn that they are ignored. Hidden only
+        # when it has nothing else to load with them (a reward model given by name, a non-PEFT reference model).
         use_vllm, args.use_vllm = args.use_vllm, False
+        model_init_kwargs = args.model_init_kwargs
+        rewards = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        if isinstance(model, PeftModel) and not any(isinstance(f, str) for f in rewards):
+            args.model_init_kwargs = None
         try:
             super().__init__(
                 model=model,
@@ -190,7 +196,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                 **kwargs,
             )
         finally:
-            args.use_vllm = use_vllm
+            args.use_vllm, args.model_init_kwargs = use_vllm, model_init_kwargs
         # First in line, so that reporting callbacks see aqn/sigma in the logs it adds
         self.callback_handler.callbacks.insert(0, self.aqn_callback)
         self.aqn_callback.attach(self.model, seed=args.seed)
