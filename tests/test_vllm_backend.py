@@ -401,6 +401,9 @@ class RecordingLLM:
     def collective_rpc(self, method, args=()):
         self.calls.append((method, sorted(args[0])))
 
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
     def generate(self, prompts, params, lora_request=None, use_tqdm=True):
         self.calls.append(("generate", lora_request.lora_int_id if lora_request else None))
         sample = types.SimpleNamespace(token_ids=[7, 8], logprobs=[{7: types.SimpleNamespace(logprob=-0.1)},
@@ -441,7 +444,9 @@ def test_engine_configuration_and_sleep_mode_order(fake_vllm, monkeypatch):
     assert completions == [[7, 8]] and logprobs == [[-0.1, -0.2]]
     assert llm.calls == [
         ("sleep", 1),  # asleep (weights kept in CPU memory) until the first rollout
-        ("wake_up",), ("add_lora", 1), ("qerl_set_norms", ["model.norm.weight"]), ("generate", 1), ("sleep", 1),
+        ("wake_up",), ("add_lora", 1), ("qerl_set_norms", ["model.norm.weight"]),
+        ("reset_prefix_cache",),  # KV computed under the previous norms must not be reused
+        ("generate", 1), ("sleep", 1),
         ("wake_up",), ("add_lora", 2), ("remove_lora", 1),
     ]  # fmt: skip
 

@@ -138,9 +138,15 @@ class VLLMEngine:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
 
     def set_norms(self, values: dict[str, torch.Tensor]) -> None:
-        """Copy ``values`` (checkpoint key -> tensor) into vLLM's model parameters of the same names."""
+        """Copy ``values`` (checkpoint key -> tensor) into vLLM's model parameters of the same names.
+
+        vLLM's prefix cache keys KV blocks by tokens and LoRA id, not by weights: blocks computed under the previous
+        norms (another noise draw) would be reused for the same prompt, so the cache is emptied after each write.
+        """
         self.wake_up()
         self.llm.collective_rpc("qerl_set_norms", args=(values,))
+        if self.llm.reset_prefix_cache() is False:  # vLLM refuses while requests are running
+            raise RuntimeError("vLLM did not empty its prefix cache after the norm update; is a generate running?")
 
     def generate(self, prompt_ids, sampling):
         """Sample one completion per prompt; returns token ids and the sampled tokens' log-probs."""
