@@ -29,12 +29,11 @@ import json
 import random
 from pathlib import Path
 
+from trl_qerl.data import TINY_SYSTEM_PROMPT
+
 
 ASSETS = Path(__file__).resolve().parents[1] / "trl_qerl" / "assets" / "tiny"
-SYSTEM_PROMPT = (
-    "Solve the problem. Think step by step inside <think> </think>, then write the final number inside "
-    "<answer> </answer>."
-)
+SYSTEM_PROMPT = TINY_SYSTEM_PROMPT  # one prompt for pretraining, RL and evaluation
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -163,28 +162,15 @@ def _chat(tokenizer, question: str, solution: str | None = None):
     return prompt_ids, completion_ids
 
 
-def greedy_accuracy(model, tokenizer, rows, batch_size: int = 50, max_new_tokens: int = 48) -> float:
-    """Fraction of problems whose greedy answer is right (the same check as the RL reward)."""
-    import torch
+def greedy_accuracy(model, tokenizer, output: Path) -> float:
+    """Fraction of the held-out problems in ``output`` whose greedy answer is right (the RL reward's check)."""
+    from trl_qerl.data import build_math_dataset
+    from trl_qerl.evaluation import evaluate_accuracy
 
-    from trl_qerl.rewards import answers_match, extract_answer
-
-    model.eval()
-    tokenizer.padding_side = "left"
-    correct = 0
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        prompts = [_chat(tokenizer, row["question"]) for row in batch]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
-        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-        for row, completion in zip(batch, out[:, width:]):
-            text = tokenizer.decode(completion, skip_special_tokens=True)
-            correct += answers_match(row["answer"], extract_answer(text))
-    return correct / len(rows)
+    test = build_math_dataset(output / "arithmetic_test.jsonl", split="test", kind="tiny", system_prompt=SYSTEM_PROMPT)
+    result = evaluate_accuracy(model, tokenizer, test, temperature=0.0, max_new_tokens=48, batch_size=50,
+                               progress=False)  # fmt: skip
+    return result.accuracy
 
 
 def supervised_examples(tokenizer, count: int, held_out: set[str], seed: int) -> list[tuple[list[int], list[int]]]:
@@ -243,7 +229,7 @@ def train_model(output: Path, seed: int, steps: int, learning_rate: float, batch
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.do_sample = True
-    accuracy = greedy_accuracy(model, tokenizer, test)
+    accuracy = greedy_accuracy(model, tokenizer, output)
     model.to(torch.bfloat16).save_pretrained(output)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, {steps} steps in "
           f"{time.perf_counter() - start:.0f} s, held-out greedy accuracy {accuracy:.3f} -> {output}")  # fmt: skip

@@ -74,7 +74,8 @@ def _live_progress():
     return LiveProgress()
 
 
-def write_metrics(history: list[dict], path: Path) -> list[dict]:
+def write_metrics(history: list[dict], path: str | Path) -> list[dict]:
+    """The per-step training logs (``trainer.state.log_history``) as rows of a CSV at ``path``; returns the rows."""
     rows = [
         {
             "step": entry["step"],
@@ -94,7 +95,7 @@ def write_metrics(history: list[dict], path: Path) -> list[dict]:
     return rows
 
 
-def plot_metrics(rows: list[dict], path: Path, title: str) -> bool:
+def plot_metrics(rows: list[dict], path: str | Path, title: str) -> bool:
     """Reward, entropy and σ over steps as a PNG; False when matplotlib is not installed."""
     try:
         import matplotlib
