@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -27,3 +28,11 @@ def bf16_checkpoint(tmp_path, arch):
     path = tmp_path / f"{arch}-bf16"
     tiny_model(arch).save_pretrained(path)
     return arch, path
+
+
+@pytest.fixture
+def quiet_warnings():
+    """Silences library warnings (deprecations, TRL's vLLM version notice) in end-to-end tests that use it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -2,7 +2,6 @@
 handling, AQN visibility, compile-once, and the logged fallback."""
 
 import logging
-import warnings
 
 import pytest
 import torch
@@ -24,11 +23,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12]]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
 
 
 def _reference(model, prompts, max_new_tokens, eos, pad=0):

@@ -3,7 +3,6 @@ checkpoint + resume, the Hub push (faked at the boundary), the CLI, and clear er
 
 import json
 import logging
-import warnings
 
 import pytest
 import torch
@@ -19,11 +18,7 @@ from trl_qerl.rewards import accuracy_reward, completion_text, format_reward
 from trl_qerl.trainer import QeRLGRPOTrainer
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
 
 
 @pytest.fixture(scope="module")

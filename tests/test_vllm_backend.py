@@ -8,7 +8,6 @@ import math
 import sys
 import threading
 import types
-import warnings
 
 import pytest
 import torch
@@ -36,11 +35,7 @@ from trl_qerl.rollout.vllm_server import RequestError, RolloutService, ServerErr
 from trl_qerl.trainer import QeRLGRPOTrainer
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
 
 
 def _trained_peft(quantized: bool = True, seed: int = 0) -> PeftModel:

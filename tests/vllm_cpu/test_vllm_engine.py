@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -43,11 +42,7 @@ QUESTIONS = ["Tom has 3 apples and buys 4 more. How many apples does he have?", 
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0)
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
 
 
 @pytest.fixture(scope="module")
