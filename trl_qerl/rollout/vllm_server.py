@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import re
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from .vllm_checkpoint import VLLM_LORA_RANKS, check_vllm_shapes, choose_max_lora_rank, tmpfs_dir
+from .vllm_checkpoint import VLLM_LORA_RANKS, check_vllm_shapes, choose_max_lora_rank
 
 
 logger = logging.getLogger(__name__)
@@ -250,7 +249,7 @@ def serve(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``trl-qerl vllm-serve``."""
     from transformers import AutoConfig
 
-    from .vllm import VLLMEngine, require_vllm
+    from .vllm import VLLMEngine, adapter_root, require_vllm
 
     args = parse_args(argv)
     version = require_vllm()
@@ -259,8 +258,7 @@ def serve(argv: Sequence[str] | None = None) -> int:
     quantized = quantization is not None
     check_vllm_shapes(config, args.tensor_parallel_size, quantized=quantized)
     choose_max_lora_rank(1, args.max_lora_rank)
-    adapter_dir = Path(args.adapter_dir) if args.adapter_dir else Path(tempfile.mkdtemp(prefix="trl-qerl-adapters-",
-                                                                                         dir=tmpfs_dir()))  # fmt: skip
+    adapter_dir = Path(args.adapter_dir) if args.adapter_dir else adapter_root()
     adapter_dir.mkdir(parents=True, exist_ok=True)
     engine = VLLMEngine(
         args.model,
