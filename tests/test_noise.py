@@ -25,11 +25,42 @@ def test_default_schedule_reproduces_the_reference_values():
     assert schedule.sigma_at_stage(5) == pytest.approx(1e-3)
 
 
+def _reference_sigma(step, total_steps, start=1e-2, end=1e-4, num_stages=10):
+    """NVlabs/QeRL `trl_trainer/noise_scheduler.py`, transcribed: float stage interval, exponent over K-2."""
+    stage = int(step // (total_steps / num_stages))
+    if stage == 0:
+        return 0.0
+    return start * (end / start) ** ((stage - 1) / (num_stages - 2))
+
+
 def test_stages_evenly_divide_the_training_steps():
     schedule = NoiseSchedule()
     assert [schedule.stage(step, 100) for step in (0, 9, 10, 55, 99, 100, 250)] == [0, 0, 1, 5, 9, 9, 9]
-    assert [schedule.stage(step, 7) for step in range(7)] == list(range(7))  # fewer steps than stages
+    assert [schedule.stage(step, 7) for step in range(7)] == [0, 1, 2, 4, 5, 7, 8]  # fewer steps than stages
     assert schedule.sigma(0, 100) == 0.0 and schedule.sigma(10, 100) == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize("total_steps", [5, 7, 19, 25, 37, 100, 101])
+def test_schedule_matches_the_reference_arithmetic_at_every_step(total_steps):
+    schedule = NoiseSchedule()
+    ours = [schedule.sigma(step, total_steps) for step in range(total_steps)]
+    assert ours == pytest.approx([_reference_sigma(step, total_steps) for step in range(total_steps)], rel=1e-12)
+    stages = [schedule.stage(step, total_steps) for step in range(total_steps)]
+    assert stages == sorted(stages) and stages[0] == 0
+    if total_steps >= 10:  # every stage is visited and the last step reaches sigma_end
+        assert set(stages) == set(range(10)) and ours[-1] == pytest.approx(1e-4)
+
+
+def test_fewer_steps_than_stages_skip_stages_as_the_reference_does():
+    schedule = NoiseSchedule()
+    assert [schedule.stage(step, 5) for step in range(5)] == [0, 2, 4, 6, 8]  # sigma_end (stage 9) not reached
+    assert schedule.sigma(4, 5) > schedule.sigma_end
+
+
+def test_two_stages_are_half_noise_free_half_at_sigma_start():
+    schedule = NoiseSchedule(num_stages=2)
+    assert [schedule.sigma(step, 19) for step in range(19)] == [0.0] * 10 + [1e-2] * 9  # 19 // 9.5: stage 1 from 10
+    assert [schedule.stage(step, 4) for step in range(4)] == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("kind", ["exponential", "linear", "cosine", "logarithmic"])

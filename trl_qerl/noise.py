@@ -4,8 +4,15 @@ Adding channel noise ``Z ~ N(0, σ²)`` to the norm weight ``w`` in front of a q
 multiplicative row noise on that projection's weights at no parameter cost (the paper's "noise sharing").
 The noise is resampled, never accumulated: `NormNoise` keeps the clean weights and copies them back bit for bit.
 
-Schedule (paper eq. 8): training steps are cut into K equal stages; stage 0 adds no noise (quantisation noise
-alone), stages 1..K-1 decay from ``sigma_start`` to ``sigma_end`` (exponential by default).
+Schedule: the reference code's arithmetic (NVlabs/QeRL ``trl_trainer/noise_scheduler.py``), not the paper's
+printed eq. 8: training steps are cut into K stages with a float interval (``int(step // (total / K))``); stage 0
+adds no noise (quantisation noise alone); stage k >= 1 uses ``σ_start·(σ_end/σ_start)^((k-1)/(K-2))`` for the
+exponential decay (the exponent runs over K-2, so stage K-1 reaches σ_end). For K=2 and for ``constant`` there
+is no decay: every noisy stage uses ``sigma_start``.
+
+Precision: the noisy norm weight is formed in fp32 (an fp32 master plus fp32 noise, see `trl_qerl.norms`) and the
+norm's output is rounded to the activation dtype once. In bf16 a weight near 1.0 cannot hold a perturbation below
+~4e-3, so noise added to a bf16 weight would vanish for most of the schedule.
 
 `AQNCallback` drives it from any transformers `Trainer`: σ comes from ``state.global_step / state.max_steps``,
 so a resumed run continues the schedule. By default the noise is applied to rollout generation only (the
@@ -15,6 +22,7 @@ the callback also keeps noise on during the loss forward and removes it before t
 
 from __future__ import annotations
 
+import logging
 import math
 import zlib
 from collections.abc import Iterator, Sequence
@@ -25,6 +33,11 @@ from typing import Literal
 import torch
 from torch import nn
 from transformers import TrainerCallback
+
+from .norms import active_module, rms_norms, use_fp32_weight
+
+
+logger = logging.getLogger(__name__)
 
 
 SCHEDULES = ("exponential", "linear", "cosine", "logarithmic", "constant", "off")
@@ -60,13 +73,20 @@ class NoiseSchedule:
             raise ValueError(f"AQN sigmas must be positive, got start={self.sigma_start}, end={self.sigma_end}.")
 
     def stage(self, step: int, total_steps: int) -> int:
-        """Stage of ``step`` when ``total_steps`` are cut into ``num_stages`` equal stages."""
+        """Stage of ``step`` when ``total_steps`` are cut into ``num_stages`` equal stages.
+
+        The reference code's arithmetic (NVlabs/QeRL ``noise_scheduler.py``): ``int(step // (total_steps / K))``
+        with a float interval, so stages are as even as the step count allows. With fewer steps than stages some
+        stages are skipped (5 steps, K=10: stages 0, 2, 4, 6, 8), and σ_end is reached only if a step lands in
+        stage K-1.
+        """
         if total_steps <= 0:
             raise ValueError(f"AQN needs the total number of training steps, got {total_steps}.")
-        interval = max(1, total_steps // self.num_stages)
-        return min(step // interval, self.num_stages - 1)
+        return min(int(step // (total_steps / self.num_stages)), self.num_stages - 1)
 
     def sigma_at_stage(self, stage: int) -> float:
+        """σ of ``stage``: 0 for stage 0; for stages 1..K-1 the decay from ``sigma_start`` (stage 1) to
+        ``sigma_end`` (stage K-1), its progress ``(stage-1)/(K-2)`` as in the reference code."""
         if self.schedule == "off" or stage <= 0:
             return 0.0
         if self.schedule == "constant":
@@ -85,37 +105,6 @@ class NoiseSchedule:
 
     def sigma(self, step: int, total_steps: int) -> float:
         return self.sigma_at_stage(self.stage(step, total_steps))
-
-
-def _is_rms_norm_like(module: nn.Module) -> bool:
-    """A module with a 1-D weight, an epsilon, and no bias: Llama/Qwen/Mistral/Gemma RMSNorms and look-alikes."""
-    weight = getattr(module, "weight", None)
-    has_eps = any(hasattr(module, attr) for attr in ("eps", "variance_epsilon", "epsilon"))
-    return isinstance(weight, torch.Tensor) and weight.ndim == 1 and has_eps and getattr(module, "bias", None) is None
-
-
-def active_module(module: nn.Module) -> nn.Module:
-    """The module that runs: for a PEFT ``modules_to_save`` wrapper, its trained copy (noise goes on top of it)."""
-    copies = getattr(module, "modules_to_save", None)
-    if isinstance(copies, nn.ModuleDict) and not getattr(module, "disable_adapters", False):
-        active = getattr(module, "active_adapter", None)
-        active = active[0] if isinstance(active, (list, tuple)) else active
-        if active in copies:
-            return copies[active]
-    return getattr(module, "original_module", module)
-
-
-def rms_norms(model: nn.Module) -> dict[str, nn.Module]:
-    """Every RMSNorm-like module by qualified name; PEFT ``modules_to_save`` wrappers are kept whole (resolve the
-    module that runs with `active_module`)."""
-    found = {}
-    for name, module in model.named_modules():
-        leaf = name.rpartition(".")[2]
-        if leaf in ("original_module", "modules_to_save") or ".modules_to_save." in name:
-            continue
-        if _is_rms_norm_like(active_module(module)):
-            found[name] = module
-    return found
 
 
 def find_noise_norms(model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS) -> dict[str, nn.Module]:
@@ -160,22 +149,32 @@ class NormNoise:
     Args:
         model: a transformers model, possibly PEFT-wrapped (trained norms get the noise on top).
         targets: leaf names of the norms to perturb.
-        seed: base seed; the noise of call ``i`` at step ``s`` depends only on ``(seed, s, i)``.
+        seed: base seed; the noise of call ``i`` at step ``s`` depends only on ``(seed, rank, s, i)``.
+        rank: the data-parallel rank. Each rank draws its own noise: AQN is noise per rollout, and the ranks
+            roll out different prompts (identical draws on every rank would correlate their exploration).
 
-    The norms are resolved once, here: create it after wrapping the model with PEFT. Clean copies and noise live
+    The norms are resolved once, here: create it after wrapping the model with PEFT. Their weights are kept in
+    fp32 from here on (`trl_qerl.norms.use_fp32_weight`), so that the noise survives a bf16 model: noise is drawn
+    and added in fp32 and the norm's output is rounded to the activation dtype once. Clean copies and noise live
     in persistent flat buffers per (device, dtype), so a perturb/restore cycle is a few fused kernels whatever the
     number of layers.
     """
 
-    def __init__(self, model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS, seed: int = 0) -> None:
+    def __init__(
+        self, model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS, seed: int = 0, rank: int = 0
+    ) -> None:
         self.model = model
         self.modules = find_noise_norms(model, targets)
         self.seed = seed
+        self.rank = rank
         self.step = 0
         self.sigma = 0.0
         self._draws = 0
         self._perturbed = False
+        for module in self.modules.values():
+            use_fp32_weight(active_module(module))
         self._weights = [active_module(module).weight for module in self.modules.values()]
+        self._realised: torch.Tensor | None = None
         self._buffers: dict[tuple[torch.device, torch.dtype], _Buffers] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -208,11 +207,20 @@ class NormNoise:
                 torch._foreach_copy_(group.clean, group.weights)
             self._perturbed = True
         seed = self._next_seed() if sigma > 0 else None
+        squares, count = [], 0
         for group in groups:
             torch._foreach_copy_(group.weights, group.clean)
             if seed is not None:
                 group.noise.normal_(generator=self._generator(group.noise.device).manual_seed(seed))
                 torch._foreach_add_(group.weights, group.noise_views, alpha=sigma)
+                squares += [n.float().square().sum().to(groups[0].noise.device) for n in group.realised_change()]
+                count += group.noise.numel()
+        self._realised = torch.stack(squares).sum().div(count).sqrt() if squares else None
+
+    def realised_sigma(self) -> float:
+        """RMS of the change the last `perturb` made to the weights as stored (0 without noise). It equals σ up to
+        sampling error when the weights can hold the noise; a bf16 weight would show how much rounded away."""
+        return 0.0 if self._realised is None else float(self._realised)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -253,7 +261,7 @@ class NormNoise:
 
     def _next_seed(self) -> int:
         self._draws += 1
-        return zlib.crc32(f"{self.seed}:{self.step}:{self._draws}".encode())
+        return zlib.crc32(f"{self.seed}:{self.rank}:{self.step}:{self._draws}".encode())
 
 
 class _Buffers:
@@ -267,16 +275,30 @@ class _Buffers:
         self.clean = [c.view_as(w) for c, w in zip(flat_clean.split(sizes), weights)]
         self.noise_views = [n.view_as(w) for n, w in zip(self.noise.split(sizes), weights)]
 
+    def realised_change(self) -> list[torch.Tensor]:
+        """Weight minus clean copy, per weight (the noise as the weights hold it)."""
+        return torch._foreach_sub(self.weights, self.clean)
+
 
 class AQNCallback(TrainerCallback):
-    """Schedules AQN from any transformers `Trainer`; logs ``aqn/sigma`` and ``aqn/stage``.
+    """Schedules AQN from any transformers `Trainer`; logs ``aqn/sigma`` (scheduled), ``aqn/realised_sigma`` (the
+    RMS change of the norm weights in the last draw) and ``aqn/stage``.
 
     Args:
         schedule: the σ schedule.
         targets: leaf names of the norms to perturb.
-        seed: noise seed (default: the Trainer's seed).
+        seed: noise seed (default: the Trainer's seed); each data-parallel rank draws its own noise from it.
         apply_to_training: also perturb during the loss forward (removed before each optimizer step); by default
             only rollout generation sees noise, opened by the trainer through ``callback.noise.rollout()``.
+
+    On its own (with a stock `trl.GRPOTrainer`, without ``apply_to_training``) the callback schedules σ but cannot
+    reach rollout generation, and warns once. `QeRLGRPOTrainer` opens the noise around every rollout; elsewhere, do
+    the same in a subclass::
+
+        class NoisyGRPOTrainer(GRPOTrainer):
+            def _generate_single_turn(self, *args, **kwargs):
+                with aqn.noise.rollout():
+                    return super()._generate_single_turn(*args, **kwargs)
     """
 
     def __init__(
@@ -293,15 +315,23 @@ class AQNCallback(TrainerCallback):
         self.noise: NormNoise | None = None
         self.sigma = 0.0
         self.stage = 0
+        self.drives_rollouts = False
+        """Set by a trainer that opens ``noise.rollout()`` around generation (`QeRLGRPOTrainer` does)."""
 
-    def attach(self, model: nn.Module, seed: int = 0) -> NormNoise:
+    def attach(self, model: nn.Module, seed: int = 0, rank: int = 0) -> NormNoise:
         """Find the norms of ``model`` (done at train start; call it yourself to use the noise earlier)."""
-        self.noise = NormNoise(model, self.targets, seed=self.seed if self.seed is not None else seed)
+        self.noise = NormNoise(model, self.targets, seed=self.seed if self.seed is not None else seed, rank=rank)
         return self.noise
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.noise is None or self.noise.model is not model:
-            self.attach(model, seed=args.seed)
+            self.attach(model, seed=args.seed, rank=args.process_index)
+        if not (self.drives_rollouts or self.apply_to_training) and self.schedule.schedule != "off":
+            logger.warning(
+                "AQNCallback schedules sigma but nothing opens its noise around rollout generation, so this run "
+                "trains without AQN. Use QeRLGRPOTrainer, open `callback.noise.rollout()` around generation (see "
+                "the AQNCallback docstring), or pass apply_to_training=True."
+            )
         self._update(state)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -323,7 +353,8 @@ class AQNCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None:
             return
-        extra = {"aqn/sigma": self.sigma, "aqn/stage": self.stage}
+        realised = self.noise.realised_sigma() if self.noise is not None else 0.0
+        extra = {"aqn/sigma": self.sigma, "aqn/realised_sigma": realised, "aqn/stage": self.stage}
         logs.update(extra)  # seen by the callbacks after this one
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)  # the Trainer copied `logs` into its history before calling us

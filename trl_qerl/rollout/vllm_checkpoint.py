@@ -19,7 +19,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 from torch import nn
 
-from ..noise import active_module, rms_norms
+from ..norms import active_module, rms_norms
 
 
 # The LoRA ranks vLLM accepts for ``max_lora_rank`` (vllm.config.lora.MaxLoRARanks, vLLM 0.32).
