@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, PeftModel
 from peft import get_peft_model as peft_get_peft_model
 from peft.tuners.lora.layer import LoraLayer
@@ -45,9 +46,10 @@ _MERGE_REFUSAL = (
 class LoraNVFP4Linear(nn.Module, LoraLayer):
     """LoRA adapters (16-bit) on top of a frozen `NVFP4Linear`: ``y = base(x) + B(A(dropout(x))) * scaling``.
 
-    Dtype and device handling follow PEFT's bitsandbytes 4-bit layer: adapters are created in the base layer's
-    compute dtype on its device (``get_peft_model(autocast_adapter_dtype=True)``, PEFT's default, then upcasts
-    them to fp32), inputs are cast to the adapter dtype and the output back.
+    Adapters are created in the base layer's compute dtype on its device; ``get_peft_model`` (PEFT's default
+    ``autocast_adapter_dtype=True``) and `QeRLGRPOTrainer` keep them as fp32 masters, so that small optimizer
+    updates are not rounded away. The products run in the activation dtype (the weights are cast to it, as
+    autocast does), so a bf16 model computes LoRA in bf16.
     """
 
     def __init__(
@@ -98,10 +100,12 @@ class LoraNVFP4Linear(nn.Module, LoraLayer):
                 continue
             lora_a, lora_b = self.lora_A[active_adapter], self.lora_B[active_adapter]
             dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
-            cast = not torch.is_autocast_enabled()
-            adapter_input = self._cast_input_dtype(x, lora_a.weight.dtype) if cast else x
-            output = lora_b(lora_a(dropout(adapter_input))) * scaling
-            result = result + (output.to(result.dtype) if cast else output)
+            hidden = dropout(x)
+            if torch.is_autocast_enabled():
+                output = lora_b(lora_a(hidden))
+            else:  # fp32 masters, products in the activation dtype (what autocast does in the loss forward)
+                output = F.linear(F.linear(hidden, lora_a.weight.to(hidden.dtype)), lora_b.weight.to(hidden.dtype))
+            result = result + (output * scaling).to(result.dtype)
         return result
 
     def __repr__(self) -> str:

@@ -243,8 +243,9 @@ class NVFP4HfQuantizer(HfQuantizer):
         config: NVFP4Config = self.quantization_config
         keep = self.get_modules_to_not_convert(model, config.modules_to_not_convert, add_default_skips=True)
         ignored, unaligned, converted = [], [], []
+        adapters = _adapter_subtrees(model)
         for name, module in model.named_modules():
-            if not isinstance(module, nn.Linear):
+            if not isinstance(module, nn.Linear) or name.startswith(adapters):
                 continue
             if _matches(name, module, keep) or (self.pre_quantized and _matches(name, module, config.ignore)):
                 ignored.append(name)
@@ -426,6 +427,19 @@ def _check_loaded_layer(name: str, layer: NVFP4Linear) -> None:
         raise ValueError(f"{name}: weight_global_scale is {global_scale.tolist()}, expected a finite positive value.")
     if not bool(torch.isfinite(layer.weight_scale.float()).all()):
         raise ValueError(f"{name}: weight_scale holds NaN/Inf values; the checkpoint is corrupt.")
+
+
+def _adapter_subtrees(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes of PEFT adapter sub-trees (LoRA matrices, ``modules_to_save`` copies and originals): trainable
+    or adapter-owned layers are never quantised. Duck-typed on PEFT's layer attributes (checked with peft 0.21)."""
+    prefixes = []
+    for name, module in model.named_modules():
+        for attr in getattr(module, "adapter_layer_names", ()) + getattr(module, "other_param_names", ()):
+            if isinstance(getattr(module, attr, None), nn.Module):
+                prefixes.append(f"{name}.{attr}." if name else f"{attr}.")
+        if isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict):
+            prefixes += [f"{name}.modules_to_save.", f"{name}.original_module."]
+    return tuple(prefixes)
 
 
 def quantize_model(model, config: NVFP4Config | None = None):

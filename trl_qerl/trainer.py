@@ -16,6 +16,7 @@ Checked against TRL 1.16 (private hooks ``_generate_single_turn``, ``_calculate_
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import time
 from collections import defaultdict
@@ -34,6 +35,7 @@ from .config import QeRLConfig
 from .loading import from_pretrained as load_nvfp4
 from .lora import get_peft_model, nvfp4_lora_config, register_nvfp4_lora
 from .noise import AQNCallback
+from .norms import keep_fp32_trainable_norms
 from .nvfp4.linear import exclude_packed_tensors_from_ddp
 from .quantizer import QUANT_METHOD, NVFP4Config, quantize_model
 from .rollout import make_rollout_backend
@@ -90,8 +92,9 @@ def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) ->
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     method = getattr(base, "quantization_method", None) if getattr(base, "is_quantized", False) else None
     if mode == "nvfp4":
-        if method is None:
-            return quantize_model(model, NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert))
+        if method is None:  # a PeftModel keeps its adapters in 16-bit: only the base's own layers are quantised
+            quantize_model(base, NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert))
+            return model
         if method != QUANT_METHOD:
             raise ValueError(f"quantization='nvfp4' but the model is quantised with {method!r}; pass a 16-bit model.")
         return model
@@ -104,19 +107,45 @@ def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) ->
     return model
 
 
-def _guard_reward(func: Callable) -> Callable:
-    """Re-raise a reward function's exception with its name and the fix."""
+def _reward_error(func: Callable, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"Reward function {getattr(func, '__name__', func)!r} raised {type(error).__name__}: {error}. Reward "
+        "functions must score every completion, returning 0 (or None) for output they cannot parse."
+    )
 
-    @functools.wraps(func)
-    def guarded(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except Exception as error:
-            raise RuntimeError(
-                f"Reward function {getattr(func, '__name__', func)!r} raised {type(error).__name__}: {error}. Reward "
-                "functions must score every completion, returning 0 (or None) for output they cannot parse."
-            ) from error
 
+def _is_async(func) -> bool:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+def _guard_reward(func):
+    """Re-raise a reward function's exception with its name and the fix. Async functions stay async (TRL awaits
+    them on its event loop); reward models (`nn.Module`) and names of Hub models pass through unchanged."""
+    if isinstance(func, (str, torch.nn.Module)) or not callable(func):
+        return func
+    if _is_async(func):
+
+        @functools.wraps(func)
+        async def guarded_async(*args, **kwargs):
+            try:
+                return await func(*args, **kwargs)
+            except Exception as error:
+                raise _reward_error(func, error) from error
+
+        guarded = guarded_async
+    else:
+
+        @functools.wraps(func)
+        def guarded(*args, **kwargs):
+            try:
+                return func(*args, **kwargs)
+            except Exception as error:
+                raise _reward_error(func, error) from error
+
+    if not hasattr(func, "__name__"):  # a callable instance: keep the name TRL would log for it
+        guarded.__name__ = type(func).__name__
     return guarded
 
 
@@ -170,10 +199,11 @@ class QeRLGRPOTrainer(GRPOTrainer):
         )
         self._tag_names = [*type(self)._tag_names, args.quantization, args.loss_type]
         if isinstance(reward_funcs, list):
-            reward_funcs = [f if isinstance(f, str) or not callable(f) else _guard_reward(f) for f in reward_funcs]
-        elif callable(reward_funcs) and not isinstance(reward_funcs, torch.nn.Module):
+            reward_funcs = [_guard_reward(f) for f in reward_funcs]
+        else:
             reward_funcs = _guard_reward(reward_funcs)
         self._timings: defaultdict[str, float] = defaultdict(float)
+        self._step_start: float | None = None
 
         # TRL's own vLLM path would start a second engine and merge LoRA into the 4-bit base: keep it off while
         # GRPOTrainer initialises, then turn `use_vllm` on so that its importance-sampling correction runs.
@@ -197,28 +227,36 @@ class QeRLGRPOTrainer(GRPOTrainer):
             )
         finally:
             args.use_vllm, args.model_init_kwargs = use_vllm, model_init_kwargs
+        _refuse_sharded_parameters(self, self.aqn_callback.schedule)
         # First in line, so that reporting callbacks see aqn/sigma in the logs it adds
         self.callback_handler.callbacks.insert(0, self.aqn_callback)
-        self.aqn_callback.attach(self.model, seed=args.seed)
-        self._cast_adapters_to_compute_dtype()
+        self.aqn_callback.attach(self.model, seed=args.seed, rank=self.accelerator.process_index)
+        self.aqn_callback.drives_rollouts = True  # _generate_single_turn opens the noise around every rollout
+        self._keep_fp32_masters()
         self.rollout_backend = rollout_backend or make_rollout_backend(args.rollout_backend, self)
         if getattr(self.rollout_backend, "name", None) == "vllm":
             self.use_vllm, self.vllm_mode, self._last_loaded_step = True, args.vllm_mode, -1
             self.vllm_generation = self.rollout_backend  # what TRL's rollout_func and tool paths reach for
 
-    def _cast_adapters_to_compute_dtype(self) -> None:
-        """Adapters in bf16 on an NVFP4 base, as TRL does for QLoRA (PEFT's autocast_adapter_dtype makes them fp32)."""
-        if self.args.quantization == "nvfp4" and self.args.bf16:
-            for param in self.model.parameters():
-                if param.requires_grad and param.dtype != torch.bfloat16:
-                    param.data = param.data.to(torch.bfloat16)
+    def _keep_fp32_masters(self) -> None:
+        """Every trainable adapter weight (LoRA, trained norms) in fp32, in every quantisation mode.
+
+        In bf16 an AdamW update at lr 1e-5 rounds away for most elements (a norm weight near 1.0 moves in steps of
+        7.8e-3). Computation stays in the activation dtype: LoRA products run in it (autocast during the loss,
+        `LoraNVFP4Linear` casts its weights), and fp32 norms round their output to it once (`trl_qerl.norms`).
+        """
+        if self.args.quantization == "none":
+            return  # full fine-tuning: the model's own dtype (the AQN norms are fp32 already, see NormNoise)
+        keep_fp32_trainable_norms(self.model)
+        for name, param in self.model.named_parameters():
+            if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32 and "lora_" in name:
+                param.data = param.data.float()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # Private transformers hook (checked against 5.17 and 5.24): resuming reloads the adapter through PEFT,
-        # which upcasts it to fp32 again; cast back before the optimizer is built so that a resumed run trains
-        # exactly like an uninterrupted one.
+        # Private transformers hook (checked against 5.17 and 5.24): resuming reloads the adapter through PEFT;
+        # make sure every trainable weight is an fp32 master again before the optimizer is built.
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._cast_adapters_to_compute_dtype()
+        self._keep_fp32_masters()
 
     @staticmethod
     def _apply_lora(model, args: QeRLConfig, peft_config: PeftConfig | None):
@@ -279,17 +317,25 @@ class QeRLGRPOTrainer(GRPOTrainer):
         return result
 
     def training_step(self, model, inputs, num_items_in_batch):
-        self._timings.clear()
-        start = self._now()
+        # `time/*` and `memory/*` are per optimizer step: summed over its micro-batches (TRL averages each metric
+        # list at logging time, so one entry per micro-batch would divide the rollout time by the accumulation).
+        on_cuda = torch.cuda.is_available() and self.accelerator.device.type == "cuda"
+        if self._step_start is None:
+            self._timings.clear()
+            if on_cuda:
+                torch.cuda.reset_peak_memory_stats(self.accelerator.device)
+            self._step_start = self._now()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        total = self._now() - start
-        metrics = self._metrics["train"]
-        for part in ("rollout", "reward", "logprob"):
-            metrics[f"time/{part}_s"].append(self._timings[part])
-        metrics["time/forward_backward_s"].append(total - sum(self._timings.values()))
-        metrics["time/step_s"].append(total)
-        if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
-            metrics["memory/peak_allocated_gb"].append(torch.cuda.max_memory_allocated() / 1e9)
+        if self.accelerator.sync_gradients:  # the last micro-batch before the optimizer step
+            total = self._now() - self._step_start
+            self._step_start = None
+            metrics = self._metrics["train"]
+            for part in ("rollout", "reward", "logprob"):
+                metrics[f"time/{part}_s"].append(self._timings[part])
+            metrics["time/forward_backward_s"].append(total - sum(self._timings.values()))
+            metrics["time/step_s"].append(total)
+            if on_cuda:
+                metrics["memory/peak_allocated_gb"].append(torch.cuda.max_memory_allocated(self.accelerator.device) / 1e9)
         return loss
 
     # -- model card ----------------------------------------------------------------------------------------------
@@ -340,6 +386,26 @@ class QeRLGRPOTrainer(GRPOTrainer):
             "Load the adapter with `trl_qerl.lora.load_adapter(trl_qerl.from_pretrained(base), adapter_dir)`, or with "
             "plain PEFT onto the 16-bit base model.\n"
         )
+
+
+def _refuse_sharded_parameters(trainer, schedule) -> None:
+    """ZeRO-3 and FSDP shard parameters: AQN would build its clean copies and noise from empty shards and add
+    nothing, and the fp32 norm masters would not be gathered. Refused until supported."""
+    if schedule.schedule == "off":
+        return
+    state = trainer.accelerator.state
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    if deepspeed is not None and getattr(deepspeed, "zero_stage", 0) == 3:
+        sharding = "DeepSpeed ZeRO-3"
+    elif getattr(trainer, "is_fsdp_enabled", False) or getattr(state, "fsdp_plugin", None) is not None:
+        sharding = "FSDP"
+    else:
+        return
+    raise ValueError(
+        f"{sharding} shards the model's parameters, which AQN does not support yet (its noise would be built from "
+        "empty shards and silently add nothing). Use data parallelism (plain `accelerate launch`, or ZeRO-1/2), or "
+        "turn AQN off with aqn_schedule='off'."
+    )
 
 
 def _check_dataset(dataset, name: str) -> None:

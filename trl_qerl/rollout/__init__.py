@@ -19,6 +19,7 @@ from trl import GRPOTrainer
 
 
 logger = logging.getLogger(__name__)
+SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 class RolloutBackend(Protocol):
@@ -80,9 +81,9 @@ class FastRollout:
             min_p=args.min_p,
         )
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-        if self.generator is None or self.generator.model is not model:
-            self.generator = StaticCacheGenerator(model, cuda_graph=self.cuda_graph)
         try:
+            if self.generator is None or self.generator.model is not model:
+                self.generator = StaticCacheGenerator(model, cuda_graph=self.cuda_graph)
             completions = self.generator.generate(prompt_ids, params, trainer.eos_token_ids, trainer._tokenizer.pad_token_id)
         except Exception as error:  # noqa: BLE001 - capture problems must not stop training
             self.disabled_reason = f"{type(error).__name__}: {error}"
@@ -101,6 +102,9 @@ def _unsupported(trainer, images) -> str | None:
         return "repetition_penalty"
     if getattr(trainer, "tools", None):
         return "tool calling"
+    attention = getattr(trainer.model.config, "_attn_implementation", None) or "sdpa"
+    if attention not in SUPPORTED_ATTENTION:
+        return f"attn_implementation={attention!r} (the static-cache step supports {list(SUPPORTED_ATTENTION)})"
     return None
 
 
