@@ -92,6 +92,24 @@ def test_dequantize_kernel_is_bit_exact(dtype):
     assert torch.equal(K.dequantize_cuda(*quantized, dtype=dtype), dequantize(*quantized, dtype=dtype))
 
 
+def test_byte_scales_decode_like_fp8():
+    """GPUs before sm_89 load the block scales as bytes and decode them in the kernel (`_scale_value`): every one
+    of the 256 E4M3 bytes, subnormals and NaN included, must give the same weight as the fp8 reference."""
+    quantized = _weight(32, 128)
+    every_byte = torch.arange(256, dtype=torch.uint8, device=DEVICE).reshape(32, 8).view(torch.float8_e4m3fn)
+    packed, _, global_scale = quantized
+    # (the interpreter rounds bf16 outputs differently, on the fp8 path too: bf16 is checked on GPUs)
+    for dtype in [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []):
+        expected = dequantize(packed, every_byte, global_scale, dtype=dtype)
+        out = K.dequantize_cuda(packed, every_byte.view(torch.uint8), global_scale, dtype=dtype)
+        assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.nan_to_num(), expected.nan_to_num())
+    x = torch.randn(3, 128, device=DEVICE).to(torch.float16)
+    for config in (K.FusedConfig(16, 32, 128, 2), K.FusedConfig(1, 32, 64, 2, gemv=True)):
+        rows = x[:1] if config.gemv else x
+        as_bytes = K.fused_matmul(rows, packed, quantized[1].view(torch.uint8), global_scale, config)
+        assert torch.equal(as_bytes, K.fused_matmul(rows, *quantized, config))
+
+
 def test_custom_ops_pass_opcheck():
     quantized = _weight(64, 128)
     x = torch.randn(5, 128, device=DEVICE)
@@ -250,3 +268,67 @@ def test_compiled_backward_matches_eager():
     model(x).float().sum().backward()
     compiled(x2).float().sum().backward()
     _check(x2.grad, x.grad.double())
+
+
+@pytest.fixture
+def gpu_generation(monkeypatch):
+    """Makes the dispatcher see this GPU as another generation: `gpu_generation((8, 0))`. Heuristic kernel choices
+    (no timing) keep the tests short."""
+    monkeypatch.setattr(K, "_PATH_BY_DEVICE", {})
+    monkeypatch.setattr(K, "_BROKEN", set())
+    monkeypatch.setattr(K, "CHOOSER", K.KernelChooser(autotune=False))
+    return lambda capability: monkeypatch.setattr(K, "device_capability", lambda index: capability)
+
+
+@needs_cuda
+@pytest.mark.parametrize("capability", [(8, 9), (7, 5)], ids=["sm89", "sm75"])
+def test_older_gpu_variants_are_correct(gpu_generation, capability):
+    """The variants for older GPUs use no Hopper-only instruction, so this GPU runs them too: their results through
+    the ops, every fused candidate included, must match the reference with nothing falling back."""
+    gpu_generation(capability)
+    path = K.device_path(torch.device("cuda"))
+    assert path is K.triton_path(capability) and not path.use_asm and not path.fp8_scales
+    n, k = 512, 1024
+    quantized = _weight(n, k, seed=5)
+    for dtype in (torch.bfloat16, torch.float16):
+        for m in (1, 9, 100):
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            _check(torch.ops.trl_qerl.nvfp4_linear(x, *quantized), _reference(x, quantized))
+        grad = torch.randn(7, n, device="cuda").to(dtype)
+        expected = grad.double() @ dequantize(*quantized, dtype=torch.float64)
+        _check(torch.ops.trl_qerl.nvfp4_grad_input(grad, *quantized), expected)
+    for m in (1, 17):
+        x = torch.randn(m, k, device="cuda", dtype=path.matmul_dtypes[-1])
+        for candidate in K.candidate_configs(m, n, k):
+            _check(K.run(x, *quantized, candidate), _reference(x, quantized))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(torch.ops.trl_qerl.nvfp4_dequantize(*quantized, dtype), dequantize(*quantized, dtype=dtype))
+    assert not K._BROKEN
+
+
+@needs_cuda
+def test_gpu_without_kernels_uses_the_reference(gpu_generation, caplog):
+    gpu_generation((7, 0))
+    quantized = _weight(64, 256)
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger=K.logger.name):
+        for _ in range(2):
+            out = torch.ops.trl_qerl.nvfp4_linear(x, *quantized)
+    assert torch.equal(out, torch.nn.functional.linear(x, dequantize(*quantized, dtype=x.dtype)))
+    assert len(caplog.records) == 1 and "sm_70" in caplog.records[0].getMessage()
+
+
+@needs_cuda
+def test_compile_error_on_gpu_falls_back_to_the_reference(gpu_generation, monkeypatch, caplog):
+    gpu_generation((9, 0))
+
+    def broken(*args, **kwargs):
+        raise K.triton.runtime.errors.OutOfResources(1 << 18, 1 << 16, "shared memory")
+
+    monkeypatch.setattr(K, "run", broken)
+    quantized = _weight(64, 256)
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger=K.logger.name):
+        for _ in range(2):
+            _check(torch.ops.trl_qerl.nvfp4_linear(x, *quantized), _reference(x, quantized))
+    assert len(caplog.records) == 1 and "OutOfResources" in caplog.records[0].getMessage()

@@ -15,15 +15,24 @@ Kernels:
 
 Each (shape, M bucket, dtype) picks among fused configurations and dequantise+cuBLAS by timing them the first
 time it is seen outside CUDA-graph capture (`NVFP4_AUTOTUNE=0` disables this and uses the heuristic).
+
+Which variant runs depends on the GPU (`triton_path`): sm_90+ the inline-PTX kernels above; sm_75-sm_89 the
+pure-Triton dequantisation with byte-decoded scales (fused bf16 kernels from sm_80, fp16 from sm_75); older GPUs,
+and any kernel that fails to build, PyTorch (dequantise, then matmul) after one logged warning. A compile error
+never stops training.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import triton
@@ -32,6 +41,8 @@ import triton.language as tl
 from .format import dequantize
 from .linear import NVFP4Kernels, register_kernels
 
+
+logger = logging.getLogger(__name__)
 
 # -- Triton ---------------------------------------------------------------------------------------------------
 # Dequantisation works on int32 words of 8 codes (code j in bits 4j..4j+3, i.e. columns 8w..8w+7) and returns
@@ -45,6 +56,19 @@ from .linear import NVFP4Kernels, register_kernels
 # 2^-14), one extra `mul.f16x2` by 2^14, and no boost.
 _BF16_BOOST = tl.constexpr(2.0**63)
 _TWO_POW_MINUS_126 = tl.constexpr(2.0**-126)
+
+
+@triton.jit
+def _scale_value(scale):
+    """fp32 value of FP8 E4M3 block scales loaded as fp8e4nv or, on GPUs before sm_89 (where Triton has no
+    fp8e4nv type), as raw bytes: E4M3's seven exponent/mantissa bits shifted into an fp16 (bias 15, not 7) are
+    the value times 2^-8, subnormals included, so one bitcast and one exact product decode every byte."""
+    if scale.dtype == tl.uint8:
+        bits = scale.to(tl.int32)
+        half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+        return tl.where((bits & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)  # 0x7F/0xFF: NaN
+    else:
+        return scale.to(tl.float32)
 
 
 @triton.jit
@@ -221,7 +245,7 @@ def _nvfp4_matmul_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         words, scale, x_t = _load_step(word_ptrs, scale_ptrs, x_ptrs, K - k0, m_mask, WORDS, BLOCK_K, EVEN_K)
-        scale = (scale.to(tl.float32) * boost).to(compute_dtype)
+        scale = (_scale_value(scale) * boost).to(compute_dtype)
         scale = tl.join(scale, scale).reshape(BLOCK_N, WORDS)  # one scale per 2 words
         o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8(words, scale, compute_dtype, USE_ASM)
         weight = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N, BLOCK_K)
@@ -264,7 +288,7 @@ def _nvfp4_gemv_kernel(
         live = tl.full((1, 1), 1, tl.int1) & (k0 + STEP < K)
         next_words = tl.load(word_ptrs + SPLIT_K * WORDS, mask=live, other=0, eviction_policy="evict_first")
         next_scale = tl.load(scale_ptrs + SPLIT_K * (WORDS // 2), mask=live, other=0.0, eviction_policy="evict_first")
-        o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8(words, (scale.to(tl.float32) * boost).to(compute_dtype),
+        o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1x8(words, (_scale_value(scale) * boost).to(compute_dtype),
                                                  compute_dtype, USE_ASM)  # fmt: skip
         acc += o0.to(tl.float32) * tl.load(x_ptrs + 0 * stride_xk).to(tl.float32)[None, :]
         acc += o1.to(tl.float32) * tl.load(x_ptrs + 1 * stride_xk).to(tl.float32)[None, :]
@@ -306,8 +330,8 @@ def _dequantize_kernel(
     rows = offs_n[:, None].to(tl.int64)
     n_mask = offs_n[:, None] < N
     words = tl.load(words_ptr + rows * (K // 8) + offs_w[None, :], mask=n_mask & (offs_w[None, :] < K // 8), other=0)
-    scale = tl.load(scale_ptr + rows * (K // 16) + offs_s[None, :], mask=n_mask & (offs_s[None, :] < K // 16),
-                    other=0.0).to(tl.float32)  # fmt: skip
+    scale = _scale_value(tl.load(scale_ptr + rows * (K // 16) + offs_s[None, :],
+                                 mask=n_mask & (offs_s[None, :] < K // 16), other=0.0))  # fmt: skip
     step = tl.math.div_rn(scale, tl.load(global_scale_ptr))  # IEEE division, as torch does
     # exact E2M1 * 2^-63 in bf16 (scale argument 1 * boost), then one fp32 product with the step
     unit = tl.full((BLOCK_N, WORDS), _BF16_BOOST, tl.float32).to(tl.bfloat16)
@@ -317,6 +341,134 @@ def _dequantize_kernel(
     dense = values * (step * _BF16_BOOST)
     tl.store(out_ptr + rows * K + offs_k[None, :], dense.to(out_ptr.dtype.element_ty),
              mask=n_mask & (offs_k[None, :] < K))  # fmt: skip
+
+
+# -- which variant a GPU runs ----------------------------------------------------------------------------------
+_16_BIT = (torch.bfloat16, torch.float16)
+_ALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class TritonPath:
+    """The kernel variant that compiles on one range of GPU architectures (`tests/test_kernel_targets.py`
+    cross-compiles each for its targets).
+
+    Attributes:
+        name: shown in logs.
+        use_asm: dequantise with the inline PTX (its `mul.bf16x2` needs sm_90).
+        fp8_scales: load block scales as fp8e4nv (Triton has that type only from sm_89); otherwise as bytes,
+            decoded with integer operations.
+        matmul_dtypes: activation dtypes the fused kernels serve; others dequantise and multiply with torch.
+        dequantize_dtypes: output dtypes `_dequantize_kernel` serves; others use the pure-torch dequantisation.
+    """
+
+    name: str
+    use_asm: bool
+    fp8_scales: bool
+    matmul_dtypes: tuple[torch.dtype, ...]
+    dequantize_dtypes: tuple[torch.dtype, ...]
+
+
+HOPPER = TritonPath("sm90", use_asm=True, fp8_scales=True, matmul_dtypes=_16_BIT, dequantize_dtypes=_ALL_DTYPES)
+# One portable variant for all of sm_80-sm_89: decoding a byte costs ~4 integer instructions per 16 weights, so
+# fp8e4nv loads on sm_89 would not be worth a third variant.
+AMPERE = TritonPath("sm80", use_asm=False, fp8_scales=False, matmul_dtypes=_16_BIT, dequantize_dtypes=_ALL_DTYPES)
+# sm_75 has no bf16 arithmetic (Triton emulates it and its dots become FMAs): bf16 activations there dequantise
+# with Triton and multiply with torch.
+TURING = TritonPath(
+    "sm75", use_asm=False, fp8_scales=False, matmul_dtypes=(torch.float16,), dequantize_dtypes=_ALL_DTYPES
+)
+# Triton's interpreter (CPU tests) runs everything but the inline PTX
+INTERPRETER = TritonPath("interpreter", use_asm=False, fp8_scales=True, matmul_dtypes=_16_BIT,
+                         dequantize_dtypes=_ALL_DTYPES)  # fmt: skip
+
+
+def triton_path(capability: tuple[int, int]) -> TritonPath | None:
+    """The variant for a GPU of this compute capability; None where none compiles (before sm_75)."""
+    if capability >= (9, 0):
+        return HOPPER
+    if capability >= (8, 0):
+        return AMPERE
+    if capability >= (7, 5):
+        return TURING
+    return None
+
+
+def device_capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (a seam for tests)."""
+    return torch.cuda.get_device_capability(index)
+
+
+_PATH_BY_DEVICE: dict[int, TritonPath | None] = {}
+
+
+def device_path(device: torch.device) -> TritonPath | None:
+    """The variant ``device`` runs, decided once per CUDA device (a host may mix GPU generations); None means the
+    pure-torch reference, announced by one warning. Non-CUDA tensors reach Triton only through its interpreter."""
+    if device.type != "cuda":
+        return INTERPRETER
+    index = _device_index(device)
+    if index not in _PATH_BY_DEVICE:
+        capability = device_capability(index)
+        _PATH_BY_DEVICE[index] = triton_path(capability)
+        if _PATH_BY_DEVICE[index] is None:
+            logger.warning(
+                "NVFP4: no Triton kernels compile for cuda:%d (sm_%d%d, Triton needs sm_75 or newer); NVFP4 layers "
+                "there use the pure-torch reference (dequantise, then matmul): correct, but slower.",
+                index, *capability,
+            )  # fmt: skip
+    return _PATH_BY_DEVICE[index]
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _triton_errors() -> tuple[type[Exception], ...]:
+    # Errors Triton raises while compiling or loading a kernel: the front end (unsupported type), ptxas
+    # (unsupported instruction) and the loader (too much shared memory). CUDA errors are not among them.
+    names = (("compiler.errors", "CompilationError"), ("runtime.errors", "OutOfResources"),
+             ("runtime.errors", "PTXASError"), ("errors", "TritonError"))  # fmt: skip
+    found = []
+    for module, name in names:
+        value = triton
+        for part in (*module.split("."), name):
+            value = getattr(value, part, None)
+        if isinstance(value, type):
+            found.append(value)
+    return tuple(found)
+
+
+TRITON_ERRORS = _triton_errors()
+_BROKEN: set[tuple[int, str, torch.dtype]] = set()
+T = TypeVar("T")
+
+
+def guarded(kernel: str, device: torch.device, dtype: torch.dtype, launch: Callable[[], T],
+            fallback: Callable[[], T]) -> T:  # fmt: skip
+    """``launch()``, or ``fallback()`` from the first Triton compile error on (device, kernel, dtype) on, with one
+    warning: a kernel that does not build on some GPU must cost speed, never the training run."""
+    key = (_device_index(device) if device.type == "cuda" else -1, kernel, dtype)
+    if key in _BROKEN:
+        return fallback()
+    try:
+        return launch()
+    except TRITON_ERRORS as error:
+        _BROKEN.add(key)
+        logger.warning(
+            "NVFP4: the Triton %s kernel (%s) failed to build on %s; it falls back to dequantising and multiplying "
+            "in PyTorch there (correct, but slower). %s: %s", kernel, str(dtype).removeprefix("torch."), device,
+            type(error).__name__, _first_error_line(error),
+        )  # fmt: skip
+        return fallback()
+
+
+def _first_error_line(error: Exception) -> str:
+    # ptxas errors carry the whole PTX listing; the line that names the problem is enough for a log
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    useful = [line for line in lines if re.match(r"ptxas .*error\s*:", line)]  # "ptxas x.ptx, line 9; error   : ..."
+    useful += [line for line in lines if "error" in line.lower()] + lines + [""]
+    return useful[0][:300]
 
 
 # -- launchers ------------------------------------------------------------------------------------------------
@@ -346,15 +498,25 @@ def _use_asm() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("NVFP4_TRITON_ASM", "1") != "0"
 
 
+def _launch_settings(device: torch.device, weight_scale: torch.Tensor, use_asm: bool | None):
+    """(scales as the kernels should load them, use_asm) for ``device``'s variant; an explicit ``use_asm`` wins.
+    Direct calls on a GPU without a variant try the portable settings (the ops never launch there)."""
+    path = device_path(device) or AMPERE
+    scales = weight_scale if path.fp8_scales else weight_scale.view(torch.uint8)
+    return scales, (path.use_asm and _use_asm()) if use_asm is None else use_asm
+
+
 def fused_matmul(x: torch.Tensor, weight_packed, weight_scale, weight_global_scale, config: FusedConfig, use_asm=None):
-    """``x[M, K] @ dequant(W).T`` with one fused kernel (plus a reduction when split-K)."""
+    """``x[M, K] @ dequant(W).T`` with one fused kernel (plus a reduction when split-K).
+
+    ``weight_scale`` may also be passed as its uint8 view: the kernels then decode the bytes themselves."""
     m, k = x.shape
     n = weight_packed.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     split = config.split_k
     target = out if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
-    use_asm = _use_asm() if use_asm is None else use_asm
+    weight_scale, use_asm = _launch_settings(x.device, weight_scale, use_asm)
     if config.gemv:
         if m != 1 or k % (config.block_k * split):
             raise ValueError(f"{config} needs one row and K divisible by {config.block_k * split}; got M={m}, K={k}.")
@@ -388,14 +550,16 @@ def _launch_matmul(x, weight_packed, weight_scale, weight_global_scale, target, 
 
 
 def dequantize_cuda(weight_packed, weight_scale, weight_global_scale, dtype=torch.bfloat16, use_asm=None):
-    """Dense ``[N, K]`` weight on the GPU, bit-identical to `format.dequantize`."""
+    """Dense ``[N, K]`` weight on the GPU, bit-identical to `format.dequantize` (``weight_scale`` as in
+    `fused_matmul`)."""
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
     out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
     block_n, block_k = 16, 256
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    weight_scale, use_asm = _launch_settings(weight_packed.device, weight_scale, use_asm)
     _dequantize_kernel[grid](
         weight_packed.view(torch.int32), weight_scale, weight_global_scale, out, n, k,
-        BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=_use_asm() if use_asm is None else use_asm, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=use_asm, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -521,9 +685,28 @@ if os.environ.get("NVFP4_KERNEL_CHOICES"):
 
 # -- custom ops -----------------------------------------------------------------------------------------------
 def _dense(weight_packed, weight_scale, weight_global_scale, dtype):
-    if weight_packed.device.type == "cuda":
-        return dequantize_cuda(weight_packed, weight_scale, weight_global_scale, dtype)
-    return dequantize(weight_packed, weight_scale, weight_global_scale, dtype=dtype)
+    """Dense weight: `_dequantize_kernel` where the device's variant serves ``dtype``, else pure torch."""
+    reference = functools.partial(dequantize, weight_packed, weight_scale, weight_global_scale, dtype=dtype)
+    device = weight_packed.device
+    path = device_path(device) if device.type == "cuda" else None
+    if path is None or dtype not in path.dequantize_dtypes:
+        return reference()
+    launch = functools.partial(dequantize_cuda, weight_packed, weight_scale, weight_global_scale, dtype)
+    return guarded("dequantize", device, dtype, launch, reference)
+
+
+def _fused(x, weight_packed, weight_scale, weight_global_scale):
+    """``x @ dequant(W).T`` with the chosen fused kernel (or dequantise+cuBLAS), falling back to the dense weight
+    and torch where the kernels do not build."""
+
+    def launch():
+        choice = CHOOSER.choose(x, weight_packed, weight_scale, weight_global_scale)
+        return run(x, weight_packed, weight_scale, weight_global_scale, choice)
+
+    def fallback():
+        return torch.nn.functional.linear(x, _dense(weight_packed, weight_scale, weight_global_scale, x.dtype))
+
+    return guarded("matmul", x.device, x.dtype, launch, fallback)
 
 
 @torch.library.custom_op("trl_qerl::nvfp4_linear", mutates_args=())
@@ -533,11 +716,11 @@ def nvfp4_linear_op(
     """``x[M, K] @ dequant(W[N, K]).T`` (no bias)."""
     if x.shape[-1] != weight_packed.shape[1] * 2:
         raise ValueError(f"nvfp4_linear: x has {x.shape[-1]} features, the weight expects {weight_packed.shape[1] * 2}.")
-    if x.device.type != "cuda" or x.dtype == torch.float32 or x.shape[0] == 0:
-        # fp32 activations keep full precision: tl.dot would round them to tf32
+    path = device_path(x.device) if x.device.type == "cuda" else None
+    if path is None or x.dtype not in path.matmul_dtypes or x.shape[0] == 0:
+        # fp32 activations keep full precision (tl.dot would round them to tf32); bf16 on sm_75 has no MMA
         return torch.nn.functional.linear(x, _dense(weight_packed, weight_scale, weight_global_scale, x.dtype))
-    choice = CHOOSER.choose(x, weight_packed, weight_scale, weight_global_scale)
-    return run(x, weight_packed, weight_scale, weight_global_scale, choice)
+    return _fused(x, weight_packed, weight_scale, weight_global_scale)
 
 
 @nvfp4_linear_op.register_fake
@@ -582,14 +765,21 @@ CUDA_KERNELS = NVFP4Kernels(
 register_kernels("cuda", CUDA_KERNELS)
 
 __all__ = [
+    "AMPERE",
     "CHOOSER",
     "CUDA_KERNELS",
     "DEQUANT_CUBLAS",
+    "HOPPER",
+    "TURING",
     "FusedConfig",
     "KernelChooser",
+    "TritonPath",
     "candidate_configs",
     "dequantize_cuda",
+    "device_path",
     "fused_matmul",
+    "guarded",
     "heuristic_config",
     "m_bucket",
+    "triton_path",
 ]

@@ -64,7 +64,8 @@ def register_kernels(device_type: str, kernels: NVFP4Kernels) -> None:
 
 
 def kernels_for(device: torch.device) -> NVFP4Kernels:
-    """The kernels registered for ``device``'s type, else the pure-torch reference."""
+    """The kernels registered for ``device``'s type, else the pure-torch reference. (The CUDA kernels choose
+    their variant per GPU themselves, see `kernels.device_path`, so one host may mix GPU generations.)"""
     if device.type == "cuda" and "cuda" not in _KERNELS_BY_DEVICE_TYPE:
         _load_cuda_kernels()
     return _KERNELS_BY_DEVICE_TYPE.get(device.type, REFERENCE_KERNELS)
