@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,6 +33,45 @@ DEMO_DEFAULTS = dict(
     temperature=1.0,
     eval_problems=200,
 )
+
+
+# Loggers whose levels the demo (or the Trainer it builds, via ``transformers.logging.set_verbosity``) may change.
+_LIBRARY_LOGGERS = ("", "transformers", "datasets", "trl", "peft", "accelerate", "huggingface_hub", "trl_qerl")
+
+
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Silence warnings and library logging for the demo's run only; on exit, even by an exception, put back the
+    caller's warning filters, logger levels (transformers' and datasets' verbosity included), ``logging.disable``
+    level and the transformers/datasets progress-bar switches exactly as they were."""
+    from transformers.utils import logging as hf_logging
+
+    levels = {name: logging.getLogger(name).level for name in _LIBRARY_LOGGERS}
+    disabled = logging.root.manager.disable
+    hf_bars = hf_logging.is_progress_bar_enabled()
+    datasets_bars = _datasets_progress_bars()
+    with warnings.catch_warnings():
+        try:
+            warnings.filterwarnings("ignore")
+            hf_logging.set_verbosity_error()
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+            logging.disable(disabled)
+            (hf_logging.enable_progress_bar if hf_bars else hf_logging.disable_progress_bar)()
+            _datasets_progress_bars(datasets_bars)
+
+
+def _datasets_progress_bars(enable: bool | None = None) -> bool | None:
+    """Whether datasets shows progress bars (None without datasets); with ``enable``, set that first."""
+    try:
+        import datasets
+    except ImportError:
+        return None
+    if enable is not None:
+        (datasets.enable_progress_bars if enable else datasets.disable_progress_bars)()
+    return not datasets.are_progress_bars_disabled()
 
 
 def held_out_accuracy(model, tokenizer, problems: int, seed: int = 0) -> float:
@@ -98,14 +140,12 @@ def write_metrics(history: list[dict], path: str | Path) -> list[dict]:
 def plot_metrics(rows: list[dict], path: str | Path, title: str) -> bool:
     """Reward, entropy and σ over steps as a PNG; False when matplotlib is not installed."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: the process-wide backend stays the caller's
     except ImportError:
         return False
     steps = [r["step"] for r in rows]
-    figure, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
+    figure = Figure(figsize=(7, 7))
+    axes = figure.subplots(3, 1, sharex=True)
     for axis, key, label in zip(axes, ("reward", "entropy", "sigma"), ("reward (accuracy)", "entropy", "AQN σ")):
         axis.plot(steps, [r[key] for r in rows], marker=".")
         axis.set_ylabel(label)
@@ -114,7 +154,6 @@ def plot_metrics(rows: list[dict], path: str | Path, title: str) -> bool:
     axes[0].set_title(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    plt.close(figure)
     return True
 
 
@@ -143,19 +182,35 @@ def run_demo(
         learning_rate: the LoRA (or, with ``"none"``, full-model) learning rate.
         temperature: rollout sampling temperature.
         verbose: show the progress bar with the live reward line.
-    """
-    import warnings
 
+    Warnings and library logging are silenced for the run only (`quiet_libraries`): the caller's filters, logger
+    levels and progress-bar switches are back when it returns or raises.
+    """
+    with quiet_libraries():
+        return _run_demo(
+            output_dir,
+            steps,
+            seed,
+            eval_problems,
+            quantization,
+            aqn_schedule,
+            batch,
+            learning_rate,
+            temperature,
+            verbose,
+        )
+
+
+def _run_demo(
+    output_dir, steps, seed, eval_problems, quantization, aqn_schedule, batch, learning_rate, temperature, verbose
+) -> dict:
     from transformers import AutoTokenizer, PrinterCallback
-    from transformers.utils import logging as hf_logging
 
     from .config import QeRLConfig
     from .data import tiny_arithmetic_dataset, tiny_assets
     from .rewards import accuracy_reward
     from .trainer import QeRLGRPOTrainer
 
-    warnings.filterwarnings("ignore")
-    hf_logging.set_verbosity_error()
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -7,6 +7,9 @@ the package's ``evaluate`` metric ``math_accuracy`` (shipped with the package, s
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 
@@ -55,10 +58,50 @@ def evaluate_accuracy(
         if column not in dataset.column_names:
             raise ValueError(f"The evaluation dataset needs a '{column}' column; it has {dataset.column_names}.")
     torch.manual_seed(seed)
-    was_training = model.training
-    model.eval()
+    with _restored_caller_state(model, tokenizer):
+        predictions, references, lengths, rows = _sample(
+            model, tokenizer, dataset, temperature, top_p, max_new_tokens, samples_per_problem, batch_size, progress
+        )
+    metric = evaluate.load(str(resources.files("trl_qerl") / "metrics" / "math_accuracy"))
+    return EvalResult(
+        accuracy=metric.compute(predictions=predictions, references=references)["accuracy"],
+        num_problems=len(rows),
+        samples_per_problem=samples_per_problem,
+        mean_completion_tokens=sum(lengths) / max(1, len(lengths)),
+    )
+
+
+@contextmanager
+def _restored_caller_state(model, tokenizer) -> Iterator[None]:
+    """Left padding, a pad token and eval mode for generation; the caller's settings come back on exit, raise or not.
+
+    Restored: the tokenizer's ``padding_side`` and ``pad_token``, every submodule's ``training`` flag (a model the
+    caller left partly in train mode comes back exactly so), and the contents of ``model.generation_config``.
+    """
+    padding_side, pad_token = tokenizer.padding_side, tokenizer.pad_token
+    modes = [(module, module.training) for module in model.modules()]
+    generation_config = getattr(model, "generation_config", None)
+    generation_state = copy.deepcopy(generation_config.__dict__) if generation_config is not None else None
+    try:
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model.eval()
+        yield
+    finally:
+        tokenizer.padding_side = padding_side
+        if tokenizer.pad_token != pad_token:
+            tokenizer.pad_token = pad_token
+        for module, training in modes:
+            module.training = training
+        if generation_config is not None and generation_config.__dict__ != generation_state:
+            generation_config.__dict__.clear()
+            generation_config.__dict__.update(generation_state)
+
+
+def _sample(model, tokenizer, dataset, temperature, top_p, max_new_tokens, samples_per_problem, batch_size, progress):
+    """(predictions, references, completion lengths, rows): the sampling loop of `evaluate_accuracy`."""
     device = next(model.parameters()).device
-    tokenizer.padding_side = "left"
     predictions, references, lengths = [], [], []
     sampling = dict(do_sample=temperature > 0, temperature=temperature or None, top_p=top_p if temperature else None)
     rows = list(dataset)
@@ -88,12 +131,4 @@ def evaluate_accuracy(
             lengths.append(len(ids))
             predictions.append(tokenizer.decode(ids, skip_special_tokens=True))
             references.append(str(row["answer"]))
-    if was_training:
-        model.train()
-    metric = evaluate.load(str(resources.files("trl_qerl") / "metrics" / "math_accuracy"))
-    return EvalResult(
-        accuracy=metric.compute(predictions=predictions, references=references)["accuracy"],
-        num_problems=len(rows),
-        samples_per_problem=samples_per_problem,
-        mean_completion_tokens=sum(lengths) / max(1, len(lengths)),
-    )
+    return predictions, references, lengths, rows
