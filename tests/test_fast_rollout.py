@@ -159,7 +159,7 @@ def test_fast_backend_falls_back_to_generate_with_a_log(tmp_path, monkeypatch, c
     def broken(*args, **kwargs):
         raise RuntimeError("inductor exploded")
 
-    monkeypatch.setattr(StaticCacheGenerator, "generate", broken)
+    monkeypatch.setattr(StaticCacheGenerator, "sample", broken)
     with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout"):
         trainer.train()
     assert "inductor exploded" in trainer.rollout_backend.disabled_reason

@@ -44,6 +44,9 @@ class QeRLConfig(GRPOConfig):
         (`list[str]`), aqn_apply_to_training (`bool`, defaults to `False`).
 
     Parameters that control rollouts:
+        rollout_importance_sampling (`bool`, defaults to `False`): correct for rollouts sampled under AQN noise with
+            TRL's importance sampling (vLLM and fast backends); off as in the reference QeRL. Sets TRL's
+            ``vllm_importance_sampling_correction``.
         rollout_backend (`str`, defaults to `"auto"`; `use_vllm=True` selects `"vllm"`), vllm_checkpoint_dir,
         vllm_adapter_dir, vllm_max_lora_rank, vllm_enforce_eager, vllm_engine_kwargs (see the fields' help). TRL's
         ``vllm_mode``, ``vllm_gpu_memory_utilization``, ``vllm_enable_sleep_mode``, ``vllm_max_model_length``,
@@ -98,7 +101,11 @@ class QeRLConfig(GRPOConfig):
     )
     aqn_sigma_start: float = field(default=1e-2, metadata={"help": "AQN sigma of stage 1 (paper scripts: 1e-2)."})
     aqn_sigma_end: float = field(default=1e-4, metadata={"help": "AQN sigma of the last stage (paper scripts: 1e-4)."})
-    aqn_num_stages: int = field(default=10, metadata={"help": "Number K of equal AQN stages over training (10)."})
+    aqn_num_stages: int = field(
+        default=10,
+        metadata={"help": "Number K of AQN stages over training (10): stage = int(step // (max_steps / K)), the "
+                  "reference code's float interval; stage 0 is noise-free."},  # fmt: skip
+    )
     aqn_targets: list[str] = field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         metadata={"help": "Leaf names of the RMSNorms that receive AQN noise (those feeding q/k/v and gate/up)."},
@@ -110,6 +117,15 @@ class QeRLConfig(GRPOConfig):
     )
 
     # Parameters that control rollouts
+    rollout_importance_sampling: bool = field(
+        default=False,
+        metadata={"help": "Correct the loss for rollouts sampled under AQN noise (and the rollout engine's numerics) "
+                  "with TRL's importance sampling (pi_clean / pi_rollout, reweighted or masked per "
+                  "vllm_importance_sampling_mode and its clip bounds), on the vLLM and fast backends. Default False, "
+                  "as in the reference QeRL: rollouts sampled with noise are trained on as on-policy, since the "
+                  "correction would partly undo the exploration AQN adds. Replaces TRL's "
+                  "vllm_importance_sampling_correction, which only acts on vLLM."},  # fmt: skip
+    )
     rollout_backend: str = field(
         default="auto",
         metadata={
@@ -147,6 +163,10 @@ class QeRLConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        if self.aqn_schedule is False or self.aqn_schedule == "false":  # YAML 1.1 reads a bare `off` as False
+            self.aqn_schedule = "off"
+        # one switch for every backend: TRL's own flag follows ours (TRL reads it on its vLLM path only)
+        self.vllm_importance_sampling_correction = bool(self.rollout_importance_sampling)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.rollout_backend not in ROLLOUT_BACKENDS:

@@ -103,6 +103,17 @@ class NoiseSchedule:
         # logarithmic: fast early decay, log(1 + 9t) / log(10) runs from 0 to 1
         return start - (start - end) * math.log1p(9 * t) / math.log(10)
 
+    def describe(self) -> str:
+        """What the schedule does, in words (model cards, logs)."""
+        if self.schedule == "off":
+            return "off"
+        stages = (f"{self.num_stages} equal stages over training (the reference code's float interval); stage 0 is "
+                  "noise-free")  # fmt: skip
+        if self.schedule == "constant" or self.num_stages == 2:
+            return f"sigma {self.sigma_start:g} in every noisy stage, no decay ({self.schedule}, {stages})"
+        return (f"{self.schedule} decay of sigma from {self.sigma_start:g} (stage 1) to {self.sigma_end:g} (stage "
+                f"{self.num_stages - 1}), {stages}")  # fmt: skip
+
     def sigma(self, step: int, total_steps: int) -> float:
         return self.sigma_at_stage(self.stage(step, total_steps))
 

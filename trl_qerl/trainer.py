@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import time
 from collections import defaultdict
@@ -109,7 +110,7 @@ def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) ->
 
 def _reward_error(func: Callable, error: Exception) -> RuntimeError:
     return RuntimeError(
-        f"Reward function {getattr(func, '__name__', func)!r} raised {type(error).__name__}: {error}. Reward "
+        f"Reward function {getattr(func, '__name__', type(func).__name__)!r} raised {type(error).__name__}: {error}. Reward "
         "functions must score every completion, returning 0 (or None) for output they cannot parse."
     )
 
@@ -237,6 +238,29 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if getattr(self.rollout_backend, "name", None) == "vllm":
             self.use_vllm, self.vllm_mode, self._last_loaded_step = True, args.vllm_mode, -1
             self.vllm_generation = self.rollout_backend  # what TRL's rollout_func and tool paths reach for
+        self._configure_importance_sampling(args)
+
+    def _configure_importance_sampling(self, args: QeRLConfig) -> None:
+        """One meaning of ``rollout_importance_sampling`` on every backend (see `QeRLConfig`)."""
+        self.vllm_importance_sampling_correction = args.rollout_importance_sampling
+        backend = getattr(self.rollout_backend, "name", None)
+        if not args.rollout_importance_sampling or backend == "vllm":
+            return
+        if backend != "fast":
+            raise ValueError(
+                f"rollout_importance_sampling=True needs the sampling log-probs, which the 'fast' and 'vllm' rollout "
+                f"backends return; this run uses {backend!r}. Set rollout_backend='fast' (CUDA) or 'vllm', or turn "
+                "rollout_importance_sampling off."
+            )
+        if getattr(self, "tools", None) or getattr(self, "rollout_func", None):
+            raise ValueError(
+                "rollout_importance_sampling=True with tools or a rollout_func runs on the vLLM backend only; set "
+                "rollout_backend='vllm' or turn rollout_importance_sampling off."
+            )
+        # Private TRL contract (checked against 1.16): GRPOTrainer applies its importance-sampling correction only
+        # when `use_vllm` is set. The fast backend returns the same processed log-probs vLLM does; the transformers
+        # fallback clears the flag while it runs TRL's own generate path.
+        self.use_vllm = True
 
     def _keep_fp32_masters(self) -> None:
         """Every trainable adapter weight (LoRA, trained norms) in fp32, in every quantisation mode.
@@ -293,8 +317,21 @@ class QeRLGRPOTrainer(GRPOTrainer):
         elapsed = self._now() - start
         self._timings["rollout"] += elapsed
         tokens = sum(len(ids) for ids in completion_ids)
-        self._metrics["train" if training else "eval"]["rollout/tokens_per_second"].append(tokens / max(elapsed, 1e-9))
+        metrics = self._metrics["train" if training else "eval"]
+        metrics["rollout/tokens_per_second"].append(tokens / max(elapsed, 1e-9))
+        entropy = _sampling_entropy(self.rollout_backend, logprobs)
+        if entropy is not None:
+            metrics["rollout/sampling_entropy"].append(entropy)
         return completion_ids, logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        ratio = output.get("importance_sampling_ratio")
+        if ratio is not None:
+            affected = _corrected_sequences(ratio, output["completion_mask"], self.args)
+            share = self.accelerator.gather(affected.float().mean()[None]).mean().item()
+            self._metrics["train" if self.model.training else "eval"]["sampling/is_corrected_share"].append(share)
+        return output
 
     # -- timing --------------------------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -365,13 +402,12 @@ class QeRLGRPOTrainer(GRPOTrainer):
             else f"r={args.lora_r}, alpha={args.lora_alpha or 2 * args.lora_r}, dropout={args.lora_dropout}, "
             f"trained norms: {args.train_norms}"
         )
-        noise = (
-            "off"
-            if schedule.schedule == "off"
-            else f"{schedule.schedule}, sigma {schedule.sigma_start:g} -> {schedule.sigma_end:g} over "
-            f"{schedule.num_stages} stages (stage 0 noise-free), on {', '.join(args.aqn_targets)}"
-            + (", also during the loss forward" if args.aqn_apply_to_training else ", during rollouts")
-        )
+        noise = schedule.describe()
+        if schedule.schedule != "off":
+            noise += (f"; on {', '.join(args.aqn_targets)} (fp32 weights, output rounded once), "
+                      + ("also during the loss forward" if args.aqn_apply_to_training else "during rollouts")
+                      + ("; importance-sampling correction on" if args.rollout_importance_sampling else
+                         "; no importance-sampling correction (as the reference)"))  # fmt: skip
         return (
             "\n## QeRL training setup\n\n"
             f"- Base model: `{base.config._name_or_path}`\n"
@@ -386,6 +422,29 @@ class QeRLGRPOTrainer(GRPOTrainer):
             "Load the adapter with `trl_qerl.lora.load_adapter(trl_qerl.from_pretrained(base), adapter_dir)`, or with "
             "plain PEFT onto the 16-bit base model.\n"
         )
+
+
+def _sampling_entropy(backend, logprobs: list[list[float]] | None) -> float | None:
+    """Entropy per completion token of the policy that sampled (AQN noise included): the backend's exact value, or
+    the sampled tokens' mean negative log-probability, an unbiased estimate of it (the vLLM backend)."""
+    entropy = getattr(backend, "sampling_entropy", None)
+    if entropy is not None or not logprobs:
+        return entropy
+    values = [value for row in logprobs for value in row if math.isfinite(value)]
+    return -sum(values) / len(values) if values else None
+
+
+def _corrected_sequences(ratio: torch.Tensor, completion_mask: torch.Tensor, args: QeRLConfig) -> torch.Tensor:
+    """Per sequence: did TRL's importance sampling mask it (a ratio set to 0) or clip it (a ratio at a bound)?"""
+    if args.vllm_importance_sampling_mode.endswith("_mask"):
+        hit = ratio == 0
+    else:
+        hit = ratio == args.vllm_importance_sampling_clip_max
+        if args.vllm_importance_sampling_clip_min is not None:
+            hit |= ratio == args.vllm_importance_sampling_clip_min
+    if hit.shape[-1] != 1:  # token level: a sequence counts if any of its completion tokens was corrected
+        hit = hit & completion_mask.bool()
+    return hit.any(dim=-1)
 
 
 def _refuse_sharded_parameters(trainer, schedule) -> None:

@@ -28,6 +28,7 @@ import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import StaticCache
@@ -84,11 +85,23 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """One token per row: argmax for greedy, otherwise a Gumbel-max draw from the filtered distribution (the same
     distribution as ``multinomial(softmax(...))``, without its host synchronisation)."""
+    return sample_with_stats(logits, params)[0]
+
+
+def sample_with_stats(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, ...]:
+    """`sample_tokens`, plus each drawn token's log-probability and the entropy (nats) of the distribution it was
+    drawn from: after temperature and filtering, as vLLM's "processed" log-probs. Greedy decoding samples from a
+    point mass: log-probability and entropy 0."""
     if params.temperature == 0:
-        return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        zero = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return tokens, zero, zero
     filtered = filter_logits(logits, params)
     gumbel = -torch.log(-torch.log(torch.rand_like(filtered).clamp_(min=1e-20, max=1.0 - 1e-7)))
-    return (filtered + gumbel).argmax(dim=-1)
+    tokens = (filtered + gumbel).argmax(dim=-1)
+    log_probs = filtered.log_softmax(dim=-1)
+    entropy = torch.special.entr(log_probs.exp()).sum(dim=-1)
+    return tokens, log_probs.gather(-1, tokens[:, None])[:, 0], entropy
 
 
 def cache_argument(model) -> str:
@@ -115,6 +128,8 @@ class _DecodeState:
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         self.out = torch.full((batch, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(batch, params.max_new_tokens, dtype=torch.float32, device=device)
+        self.entropy = torch.zeros_like(self.logprobs)
         self.visible, self.hidden = _mask_values(mask_dtype)
         self.mask = torch.full((batch, 1, 1, cache_len), self.hidden, dtype=mask_dtype, device=device)
         self.graph = None
@@ -132,10 +147,12 @@ class _DecodeState:
             use_cache=True,
             **{self.cache_argument: self.cache},
         ).logits[:, -1]
-        next_tokens = sample_tokens(logits, self.params)
+        next_tokens, logprob, entropy = sample_with_stats(logits, self.params)
         next_tokens = torch.where(self.finished, torch.full_like(next_tokens, self.pad_id), next_tokens)
         self.finished |= torch.isin(next_tokens, self.eos)
         self.out.index_copy_(1, self.step_index, next_tokens[:, None])
+        self.logprobs.index_copy_(1, self.step_index, logprob[:, None])
+        self.entropy.index_copy_(1, self.step_index, entropy[:, None])
         self.tokens.copy_(next_tokens)
         self.positions.add_(1)
         self.cache_position.add_(1)
@@ -164,6 +181,16 @@ def _mask_values(dtype: torch.dtype):
     if dtype == torch.bool:
         return True, False
     return 0.0, torch.finfo(dtype).min
+
+
+class Samples(NamedTuple):
+    """What `StaticCacheGenerator.sample` returns, one list per prompt (EOS included, padding removed)."""
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    """Log-probability of each sampled token under the sampling distribution (vLLM's "processed" log-probs)."""
+    entropies: list[list[float]]
+    """Entropy (nats) of the sampling distribution at each completion token."""
 
 
 class StaticCacheGenerator:
@@ -197,7 +224,6 @@ class StaticCacheGenerator:
         self.captures = 0
         """Number of decode-step captures (one per shape bucket and sampling setting) in this process."""
 
-    @torch.no_grad()
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -206,6 +232,18 @@ class StaticCacheGenerator:
         pad_token_id: int,
     ) -> list[list[int]]:
         """Completion token ids per prompt: stops at the first EOS (included) or after ``max_new_tokens``."""
+        return self.sample(prompts, params, eos_token_ids, pad_token_id).completion_ids
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+    ) -> Samples:
+        """`generate`, with each completion token's log-probability and the entropy of the distribution it was drawn
+        from (temperature and filters applied), computed inside the decode step from logits it has anyway."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and no empty prompt.")
         model = self.model
@@ -229,7 +267,7 @@ class StaticCacheGenerator:
         try:
             state = self._state(batch, cache_len, params, eos_token_ids, pad_token_id, device)
             state.cache.reset()
-            first = self._prefill(state, input_ids, padding, prompt_len)
+            first, first_logprob, first_entropy = self._prefill(state, input_ids, padding, prompt_len)
             state.tokens.copy_(first)
             state.positions.copy_(lengths)
             state.cache_position.fill_(prompt_len)
@@ -237,18 +275,26 @@ class StaticCacheGenerator:
             state.finished.copy_(torch.isin(first, state.eos))
             state.out.fill_(pad_token_id)
             state.out[:, 0] = first
+            state.logprobs[:, 0], state.entropy[:, 0] = first_logprob, first_entropy
             state.mask.copy_(torch.where(padding, state.visible, state.hidden)[:, None, None, :])
             for index in range(1, params.max_new_tokens):
                 if index % self.check_every == 0 and bool(state.finished[:rows].all()):
                     break
                 state.replay()
             generated = state.out[:rows].tolist()
+            logprobs, entropy = state.logprobs[:rows].tolist(), state.entropy[:rows].tolist()
         finally:
             if was_training:
                 model.train()
-        return _trim(generated, set(eos_token_ids))
+        completions = _trim(generated, set(eos_token_ids))
+        lengths = [len(ids) for ids in completions]
+        return Samples(
+            completions,
+            [row[:n] for row, n in zip(logprobs, lengths)],
+            [row[:n] for row, n in zip(entropy, lengths)],
+        )
 
-    def _prefill(self, state: _DecodeState, input_ids, padding, prompt_len) -> torch.Tensor:
+    def _prefill(self, state: _DecodeState, input_ids, padding, prompt_len) -> tuple[torch.Tensor, ...]:
         cache_len = padding.shape[1]
         causal = torch.ones(prompt_len, cache_len, dtype=torch.bool, device=padding.device).tril()
         visible = causal[None, None] & padding[:, None, None, :]
@@ -262,7 +308,7 @@ class StaticCacheGenerator:
             logits_to_keep=1,
             **{state.cache_argument: state.cache},
         ).logits[:, -1]
-        return sample_tokens(logits, state.params)
+        return sample_with_stats(logits, state.params)
 
     def _state(self, batch, cache_len, params, eos_token_ids, pad_id, device) -> _DecodeState:
         key = (batch, cache_len, params, tuple(eos_token_ids), pad_id)
