@@ -160,8 +160,27 @@ def test_push_to_hub_uploads_adapter_and_qerl_model_card(checkpoint, dataset, tm
     assert {"adapter_model.safetensors", "adapter_config.json", "README.md", "tokenizer.json"} <= set(files)
     card = calls["card"]
     for expected in ("qerl", "nvfp4", "grpo", "## QeRL training setup", "NVFP4 base weights",
-                     "exponential, sigma 0.01 -> 0.0001 over 2 stages", "accuracy_reward, format_reward", "r=4"):  # fmt: skip
+                     "sigma 0.01 in every noisy stage, no decay", "accuracy_reward, format_reward", "r=4"):  # fmt: skip
         assert expected in card, expected
+
+
+def test_every_save_writes_the_qerl_card_without_local_paths(checkpoint, dataset, tmp_path):
+    from huggingface_hub import ModelCard
+
+    args = _args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer = QeRLGRPOTrainer(str(checkpoint), reward_funcs=varied_reward, args=args, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model()
+    out = tmp_path / "out"
+    for directory in (out, out / "checkpoint-1", out / "checkpoint-2"):
+        text = (directory / "README.md").read_text()
+        assert "More Information Needed" not in text and str(tmp_path) not in text, directory
+        card = ModelCard.load(directory / "README.md")
+        assert card.data.qerl["quantization"] == "nvfp4" and card.data.qerl["lora"]["r"] == 4
+        assert card.data.qerl["aqn"]["num_stages"] == 2 and not card.data.qerl["aqn"]["importance_sampling"]
+        assert {"qerl", "grpo", "nvfp4"} <= set(card.data.tags)
+        assert "shao2024deepseekmath" in text and "huang2025qerl" in text  # GRPO's citation, and QeRL's added
+        assert "## QeRL training setup" in text and "a local checkpoint (`tiny`)" in text
 
 
 def test_cli_trains_from_a_recipe_with_overrides(checkpoint, tmp_path):

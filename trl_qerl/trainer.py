@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 import os
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -165,8 +166,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "qerl"]
     _name = "QeRL (GRPO)"
-    _paper = {"title": "QeRL: Beyond Efficiency -- Quantization-enhanced Reinforcement Learning for LLMs",
-              "id": "2510.11696", "citation": QERL_CITATION}  # fmt: skip
+    # GRPO's paper and citation, with QeRL's citation added to it (the card cites both)
+    _paper = {**GRPOTrainer._paper, "citation": GRPOTrainer._paper["citation"].rstrip() + "\n\n" + QERL_CITATION}
 
     def __init__(
         self,
@@ -377,13 +378,45 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
     # -- model card ----------------------------------------------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card (GRPO's and QeRL's citations) plus the QeRL setup, with it in the YAML header too."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if not self.is_world_process_zero():
             return
+        from huggingface_hub import ModelCard
+
         path = Path(self.args.output_dir) / "README.md"
-        if path.exists():
-            with open(path, "a") as handle:
-                handle.write(self._qerl_card_section())
+        card = ModelCard.load(path)
+        card.data.qerl = self._qerl_card_metadata()
+        card.text = card.text.rstrip() + "\n" + self._qerl_card_section()
+        card.save(path)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save as `Trainer.save_model` does, then replace PEFT's blank card with the QeRL card."""
+        super().save_model(output_dir, _internal_call)
+        if not self.is_world_process_zero():
+            return
+        target = Path(output_dir or self.args.output_dir)
+        self.create_model_card()
+        if target.resolve() != Path(self.args.output_dir).resolve():
+            shutil.copyfile(Path(self.args.output_dir) / "README.md", target / "README.md")
+
+    def _qerl_card_metadata(self) -> dict[str, Any]:
+        args = self.args
+        schedule = args.aqn_noise_schedule()
+        metadata: dict[str, Any] = {"quantization": args.quantization, "loss_type": args.loss_type}
+        if args.quantization == "nvfp4":
+            metadata["format"] = "compressed-tensors nvfp4-pack-quantized (W4A16, group 16)"
+        if args.quantization != "none":
+            metadata["lora"] = {
+                "r": args.lora_r, "alpha": args.lora_alpha or 2 * args.lora_r, "dropout": args.lora_dropout,
+                "trained_norms": args.train_norms,
+            }  # fmt: skip
+        metadata["aqn"] = {
+            "schedule": schedule.schedule, "sigma_start": schedule.sigma_start, "sigma_end": schedule.sigma_end,
+            "num_stages": schedule.num_stages, "targets": list(args.aqn_targets),
+            "importance_sampling": args.rollout_importance_sampling,
+        }  # fmt: skip
+        return metadata
 
     def _qerl_card_section(self) -> str:
         args = self.args
@@ -410,7 +443,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
                          "; no importance-sampling correction (as the reference)"))  # fmt: skip
         return (
             "\n## QeRL training setup\n\n"
-            f"- Base model: `{base.config._name_or_path}`\n"
+            f"- Base model: {_model_reference(base.config._name_or_path)}\n"
             f"- Quantisation: {quantization}\n"
             f"- LoRA: {lora}\n"
             f"- Adaptive Quantization Noise: {noise}\n"
@@ -422,6 +455,13 @@ class QeRLGRPOTrainer(GRPOTrainer):
             "Load the adapter with `trl_qerl.lora.load_adapter(trl_qerl.from_pretrained(base), adapter_dir)`, or with "
             "plain PEFT onto the 16-bit base model.\n"
         )
+
+
+def _model_reference(name_or_path: str) -> str:
+    """A Hub id as a link; a local checkpoint by its folder name only (cards never carry local paths)."""
+    if name_or_path and not os.path.isdir(name_or_path) and not os.path.isabs(name_or_path):
+        return f"[{name_or_path}](https://huggingface.co/{name_or_path})"
+    return f"a local checkpoint (`{Path(name_or_path).name}`)" if name_or_path else "unknown"
 
 
 def _sampling_entropy(backend, logprobs: list[list[float]] | None) -> float | None:
