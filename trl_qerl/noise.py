@@ -69,8 +69,11 @@ class NoiseSchedule:
             raise ValueError(f"Unknown AQN schedule {self.schedule!r}; choose one of {SCHEDULES}.")
         if self.num_stages < 2:
             raise ValueError(f"AQN needs num_stages >= 2 (stage 0 is noise-free), got {self.num_stages}.")
-        if self.schedule != "off" and not (self.sigma_start > 0 and self.sigma_end > 0):
-            raise ValueError(f"AQN sigmas must be positive, got start={self.sigma_start}, end={self.sigma_end}.")
+        finite = math.isfinite(self.sigma_start) and math.isfinite(self.sigma_end)
+        if self.schedule != "off" and not (finite and self.sigma_start > 0 and self.sigma_end > 0):
+            raise ValueError(
+                f"AQN sigmas must be positive finite numbers, got start={self.sigma_start}, end={self.sigma_end}."
+            )
 
     def stage(self, step: int, total_steps: int) -> int:
         """Stage of ``step`` when ``total_steps`` are cut into ``num_stages`` equal stages.
@@ -175,7 +178,7 @@ class NormNoise:
         self, model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS, seed: int = 0, rank: int = 0
     ) -> None:
         self.model = model
-        self.modules = find_noise_norms(model, targets)
+        self.modules = find_noise_norms(model, (targets,) if isinstance(targets, str) else targets)
         self.seed = seed
         self.rank = rank
         self.step = 0
@@ -320,7 +323,7 @@ class AQNCallback(TrainerCallback):
         apply_to_training: bool = False,
     ) -> None:
         self.schedule = schedule or NoiseSchedule()
-        self.targets = tuple(targets)
+        self.targets = (targets,) if isinstance(targets, str) else tuple(targets)  # a bare name is one target
         self.seed = seed
         self.apply_to_training = apply_to_training
         self.noise: NormNoise | None = None
@@ -337,6 +340,13 @@ class AQNCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.noise is None or self.noise.model is not model:
             self.attach(model, seed=args.seed, rank=args.process_index)
+        if self.schedule.schedule != "off" and 0 < state.max_steps < self.schedule.num_stages:
+            visited = sorted({self.schedule.stage(step, state.max_steps) for step in range(state.max_steps)})
+            logger.warning(
+                "AQN has %d stages but training has only %d steps: stages %s run, the others are skipped%s.",
+                self.schedule.num_stages, state.max_steps, visited,
+                "" if visited[-1] == self.schedule.num_stages - 1 else " and sigma_end is never reached",
+            )  # fmt: skip
         if not (self.drives_rollouts or self.apply_to_training) and self.schedule.schedule != "off":
             logger.warning(
                 "AQNCallback schedules sigma but nothing opens its noise around rollout generation, so this run "

@@ -9,8 +9,8 @@ The subclass overrides as little as possible:
   metrics around TRL's own code;
 * ``create_model_card`` appends what a QeRL run needs to be reproduced.
 
-Checked against TRL 1.16 (private hooks ``_generate_single_turn``, ``_calculate_rewards``,
-``_get_per_token_logps_and_entropies`` and ``_metrics``).
+The private TRL/transformers hooks it overrides are listed, with the versions they were checked against, in
+`trl_qerl._compat`, which checks their signatures when this module is imported.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import os
+import logging
 import shutil
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -33,15 +36,20 @@ from peft import PeftConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, set_seed
 from trl import GRPOTrainer
 
+from ._compat import check_private_hooks
 from .config import QeRLConfig
 from .loading import from_pretrained as load_nvfp4
 from .lora import get_peft_model, nvfp4_lora_config, register_nvfp4_lora
+from .checkpoints import CheckpointMarker, check_base_fingerprint, last_complete_checkpoint, write_base_fingerprint
 from .noise import AQNCallback
 from .norms import keep_fp32_trainable_norms
 from .nvfp4.linear import exclude_packed_tensors_from_ddp
 from .quantizer import QUANT_METHOD, NVFP4Config, quantize_model
 from .rollout import make_rollout_backend
 
+
+logger = logging.getLogger(__name__)
+check_private_hooks()  # the private TRL/transformers/PEFT methods below are listed and checked in _compat.py
 
 QERL_CITATION = """\
 @article{huang2025qerl,
@@ -116,6 +124,24 @@ def _reward_error(func: Callable, error: Exception) -> RuntimeError:
     )
 
 
+def _checked_reward_output(func, output, kwargs: dict):
+    """A reward function must return one number (or None) per completion; say so instead of failing in TRL."""
+    name = getattr(func, "__name__", type(func).__name__)
+    expected = len(kwargs["completions"]) if "completions" in kwargs else None
+    if isinstance(output, torch.Tensor):
+        output = output.tolist()
+    if not isinstance(output, (list, tuple)):
+        raise TypeError(f"Reward function {name!r} returned {type(output).__name__}; it must return a list with one "
+                        "float (or None) per completion.")  # fmt: skip
+    if expected is not None and len(output) != expected:
+        raise ValueError(f"Reward function {name!r} returned {len(output)} rewards for {expected} completions.")
+    bad = next((value for value in output if value is not None and not isinstance(value, numbers.Real)), None)
+    if bad is not None:
+        raise TypeError(f"Reward function {name!r} returned {bad!r} ({type(bad).__name__}); rewards must be numbers "
+                        "(or None for a completion it cannot score).")  # fmt: skip
+    return output
+
+
 def _is_async(func) -> bool:
     while isinstance(func, functools.partial):
         func = func.func
@@ -132,9 +158,10 @@ def _guard_reward(func):
         @functools.wraps(func)
         async def guarded_async(*args, **kwargs):
             try:
-                return await func(*args, **kwargs)
+                output = await func(*args, **kwargs)
             except Exception as error:
                 raise _reward_error(func, error) from error
+            return _checked_reward_output(func, output, kwargs)
 
         guarded = guarded_async
     else:
@@ -142,9 +169,10 @@ def _guard_reward(func):
         @functools.wraps(func)
         def guarded(*args, **kwargs):
             try:
-                return func(*args, **kwargs)
+                output = func(*args, **kwargs)
             except Exception as error:
                 raise _reward_error(func, error) from error
+            return _checked_reward_output(func, output, kwargs)
 
     if not hasattr(func, "__name__"):  # a callable instance: keep the name TRL would log for it
         guarded.__name__ = type(func).__name__
@@ -189,6 +217,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             raise TypeError(f"QeRLGRPOTrainer needs a QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}.")
         _check_dataset(train_dataset, "train_dataset")
         _check_dataset(eval_dataset, "eval_dataset")
+        _check_output_dir(args.output_dir)  # before any model work: a run must not fail at its final save
         set_seed(args.seed)  # LoRA initialisation happens here, before GRPOTrainer's own set_seed
 
         model = load_policy(model, args)
@@ -206,6 +235,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             reward_funcs = _guard_reward(reward_funcs)
         self._timings: defaultdict[str, float] = defaultdict(float)
         self._step_start: float | None = None
+        self._steps_without_rewards = 0
 
         # TRL's own vLLM path would start a second engine and merge LoRA into the 4-bit base: keep it off while
         # GRPOTrainer initialises, then turn `use_vllm` on so that its importance-sampling correction runs.
@@ -230,6 +260,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
         finally:
             args.use_vllm, args.model_init_kwargs = use_vllm, model_init_kwargs
         _refuse_sharded_parameters(self, self.aqn_callback.schedule)
+        self.add_callback(CheckpointMarker())
         # First in line, so that reporting callbacks see aqn/sigma in the logs it adds
         self.callback_handler.callbacks.insert(0, self.aqn_callback)
         self.aqn_callback.attach(self.model, seed=args.seed, rank=self.accelerator.process_index)
@@ -277,7 +308,24 @@ class QeRLGRPOTrainer(GRPOTrainer):
             if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32 and "lora_" in name:
                 param.data = param.data.float()
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """`Trainer.train`; ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint (one
+        interrupted while saving is skipped with a warning), and AQN noise never outlives a failed step."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True, but {self.args.output_dir} holds no complete checkpoint; start "
+                    "without resuming, or pass the path of a checkpoint."
+                )
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            if self.aqn_callback.noise is not None:
+                self.aqn_callback.noise.restore()  # e.g. a reward function raised while noise was on
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        check_base_fingerprint(resume_from_checkpoint, self.model, strict=True)
         # Private transformers hook (checked against 5.17 and 5.24): resuming reloads the adapter through PEFT;
         # make sure every trainable weight is an fp32 master again before the optimizer is built.
         super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -344,6 +392,16 @@ class QeRLGRPOTrainer(GRPOTrainer):
         start = self._now()
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._timings["reward"] += self._now() - start
+        if _check_rewards(rewards, self.reward_func_names):
+            self._steps_without_rewards = 0
+        else:
+            self._steps_without_rewards += 1
+            if self._steps_without_rewards >= MAX_STEPS_WITHOUT_REWARDS:
+                raise ValueError(
+                    f"Every reward function ({', '.join(self.reward_func_names)}) returned None or NaN for every "
+                    f"completion in {self._steps_without_rewards} generation batches in a row: there is nothing to "
+                    "learn from (the loss is 0). Return 0.0 for completions you cannot score."
+                )
         return rewards
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -391,11 +449,17 @@ class QeRLGRPOTrainer(GRPOTrainer):
         card.save(path)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save as `Trainer.save_model` does, then replace PEFT's blank card with the QeRL card."""
+        """Save as `Trainer.save_model` does (never with AQN noise in the norms), then replace PEFT's blank card with
+        the QeRL card and record the base model's fingerprint."""
+        noise = self.aqn_callback.noise
+        if noise is not None and noise.is_perturbed:
+            logger.warning("AQN noise was still in the norms at save time; saving the clean weights.")
+            noise.restore()
         super().save_model(output_dir, _internal_call)
         if not self.is_world_process_zero():
             return
         target = Path(output_dir or self.args.output_dir)
+        write_base_fingerprint(target, self.model)
         self.create_model_card()
         if target.resolve() != Path(self.args.output_dir).resolve():
             shutil.copyfile(Path(self.args.output_dir) / "README.md", target / "README.md")
@@ -507,7 +571,41 @@ def _refuse_sharded_parameters(trainer, schedule) -> None:
     )
 
 
+def _check_output_dir(output_dir: str) -> None:
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".qerl-write-test-"):
+            pass
+    except OSError as error:
+        raise PermissionError(
+            f"output_dir {output_dir!r} is not writable ({error.strerror or error}); checkpoints and the adapter "
+            "are saved there. Choose another output_dir or fix its permissions."
+        ) from error
+
+
+MAX_STEPS_WITHOUT_REWARDS = 3
+"""Generation batches in a row whose rewards are all None/NaN before training stops (one can be bad luck)."""
+
+
+def _check_rewards(rewards: torch.Tensor, names: list[str]) -> bool:
+    """Refuse infinite rewards; warn about, and return False for, a batch whose rewards are all None/NaN."""
+    infinite = torch.isinf(rewards)
+    if bool(infinite.any()):
+        bad = [name for name, column in zip(names, infinite.any(dim=0).tolist()) if column]
+        raise ValueError(f"Reward function(s) {bad} returned an infinite value; rewards must be finite numbers.")
+    if rewards.numel() and bool(torch.isnan(rewards).all()):
+        logger.warning(
+            "Every reward function (%s) returned None or NaN for every completion of this batch: it trains nothing.",
+            ", ".join(names),
+        )
+        return False
+    return True
+
+
 def _check_dataset(dataset, name: str) -> None:
+    if dataset is not None and hasattr(dataset, "__len__") and not isinstance(dataset, dict) and len(dataset) == 0:
+        raise ValueError(f"{name} is empty: there is nothing to train or evaluate on.")
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # DatasetDict
         columns = next(iter(columns.values()), None)
