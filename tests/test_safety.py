@@ -151,3 +151,13 @@ def test_checkpoint_marker_is_valid_json(checkpoint, tmp_path):
     _trainer(checkpoint, tmp_path, save_strategy="steps", save_steps=2).train()
     marker = json.loads((tmp_path / "out" / "checkpoint-2" / MARKER).read_text())
     assert marker == {"global_step": 2, "complete": True}
+
+
+def test_a_16_bit_mode_on_an_nvfp4_checkpoint_gets_a_sentence(checkpoint, tmp_path):
+    from trl_qerl.loading import from_pretrained
+
+    nvfp4 = tmp_path / "nvfp4"
+    from_pretrained(str(checkpoint)).save_pretrained(nvfp4)
+    for mode in ("bf16", "none"):
+        with pytest.raises(ValueError, match="quantised checkpoint .* needs the 16-bit weights"):
+            _trainer(nvfp4, tmp_path, quantization=mode)

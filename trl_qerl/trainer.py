@@ -91,6 +91,7 @@ def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) ->
     """The base model for ``args.quantization``: loaded from a path/id, or checked/quantised if given as an instance."""
     mode = args.quantization
     if isinstance(model, (str, os.PathLike)):
+        _check_checkpoint_matches_mode(str(model), mode, args.trust_remote_code)
         kwargs = _model_init_kwargs(args)
         if mode == "nvfp4":
             config = NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert)
@@ -115,6 +116,24 @@ def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) ->
     if method is not None:
         raise ValueError(f"quantization={mode!r} needs a 16-bit model, but this one is quantised with {method!r}.")
     return model
+
+
+def _check_checkpoint_matches_mode(path: str, mode: str, trust_remote_code: bool) -> None:
+    """A quantised checkpoint cannot serve a 16-bit mode (LoRA baseline, full fine-tuning): say so up front."""
+    if mode == "nvfp4":
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    if mode in ("bf16", "none") or (mode == "nf4" and method != "bitsandbytes"):
+        raise ValueError(
+            f"{path} is a quantised checkpoint ({method}), but quantization={mode!r} needs the 16-bit weights. Pass "
+            "the 16-bit model it was made from, or use quantization='nvfp4' to train on this checkpoint."
+        )
 
 
 def _reward_error(func: Callable, error: Exception) -> RuntimeError:
