@@ -27,81 +27,20 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from transformers import StaticCache
 
+from .generate import TransformersRollout, sampling_params
+from .sampling import SamplingParams, filter_logits, sample_tokens, sample_with_stats
+
+
+__all__ = ["FastRollout", "SamplingParams", "Samples", "StaticCacheGenerator", "filter_logits", "sample_tokens",
+           "sample_with_stats"]  # fmt: skip
+
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings, with transformers' meaning. ``temperature=0`` means greedy decoding."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k, top-p and min-p (in that order, as transformers does); removed tokens get -inf."""
-    logits = logits.float()
-    if params.temperature not in (0.0, 1.0):
-        logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_logits, sorted_indices = torch.sort(logits, descending=False)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cumulative <= (1 - params.top_p)
-        remove_sorted[..., -1:] = False  # keep at least the most likely token
-        remove = remove_sorted.scatter(-1, sorted_indices, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    if params.min_p is not None:
-        probs = logits.softmax(dim=-1)
-        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
-        remove = probs < threshold
-        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
-
-
-def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One token per row: argmax for greedy, otherwise a Gumbel-max draw from the filtered distribution (the same
-    distribution as ``multinomial(softmax(...))``, without its host synchronisation)."""
-    return sample_with_stats(logits, params)[0]
-
-
-def sample_with_stats(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, ...]:
-    """`sample_tokens`, plus each drawn token's log-probability and the entropy (nats) of the distribution it was
-    drawn from: after temperature and filtering, as vLLM's "processed" log-probs. Greedy decoding samples from a
-    point mass: log-probability and entropy 0."""
-    if params.temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        zero = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        return tokens, zero, zero
-    filtered = filter_logits(logits, params)
-    gumbel = -torch.log(-torch.log(torch.rand_like(filtered).clamp_(min=1e-20, max=1.0 - 1e-7)))
-    tokens = (filtered + gumbel).argmax(dim=-1)
-    log_probs = filtered.log_softmax(dim=-1)
-    entropy = torch.special.entr(log_probs.exp()).sum(dim=-1)
-    return tokens, log_probs.gather(-1, tokens[:, None])[:, 0], entropy
 
 
 def cache_argument(model) -> str:
@@ -332,3 +271,66 @@ def _trim(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
                 break
         trimmed.append(ids)
     return trimmed
+
+
+# -- the trainer's backend --------------------------------------------------------------------------------------
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+class FastRollout:
+    """Static-cache, CUDA-graph decoding (`StaticCacheGenerator`), falling back to TRL's generate (logged) for
+    options it does not support or if capture fails."""
+
+    name = "fast"
+
+    def __init__(self, cuda_graph: bool | None = None) -> None:
+        self.cuda_graph = cuda_graph
+        self.generator = None
+        self.fallback = TransformersRollout()
+        self.disabled_reason: str | None = None
+        self.sampling_entropy: float | None = None
+
+    def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        reason = self.disabled_reason or _unsupported(trainer, images)
+        if reason:
+            if reason != self.disabled_reason:
+                logger.warning("fast rollouts unavailable (%s); using transformers generate", reason)
+                self.disabled_reason = reason
+            return self._fall_back(trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        params = sampling_params(trainer.args)
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        try:
+            if self.generator is None or self.generator.model is not model:
+                self.generator = StaticCacheGenerator(model, cuda_graph=self.cuda_graph)
+            samples = self.generator.sample(prompt_ids, params, trainer.eos_token_ids, trainer._tokenizer.pad_token_id)
+        except Exception as error:  # noqa: BLE001 - capture problems must not stop training
+            self.disabled_reason = f"{type(error).__name__}: {error}"
+            logger.warning("fast rollouts failed (%s); falling back to transformers generate", self.disabled_reason)
+            return self._fall_back(trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        values = [value for row in samples.entropies for value in row]
+        self.sampling_entropy = sum(values) / len(values) if values else None
+        return samples.completion_ids, samples.logprobs
+
+    def _fall_back(self, trainer, *args):
+        completions, logprobs = self.fallback.generate(trainer, *args)
+        self.sampling_entropy = self.fallback.sampling_entropy
+        if logprobs is None and trainer.use_vllm:
+            # importance sampling is on: TRL reads NaN sampling log-probs as "not scored" (ratio 1, no correction)
+            logprobs = [[float("nan")] * len(ids) for ids in completions]
+        return completions, logprobs
+
+
+def _unsupported(trainer, images) -> str | None:
+    args = trainer.args
+    if images is not None and any(image is not None for image in images):
+        return "multimodal prompts"
+    if args.generation_kwargs:
+        return f"generation_kwargs {sorted(args.generation_kwargs)}"
+    if args.repetition_penalty != 1.0:
+        return "repetition_penalty"
+    if getattr(trainer, "tools", None):
+        return "tool calling"
+    attention = getattr(trainer.model.config, "_attn_implementation", None) or "sdpa"
+    if attention not in SUPPORTED_ATTENTION:
+        return f"attn_implementation={attention!r} (the static-cache step supports {list(SUPPORTED_ATTENTION)})"
+    return None

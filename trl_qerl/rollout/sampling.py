@@ -1,0 +1,75 @@
+"""Sampling as transformers does it (temperature, top-k, top-p, min-p, then a draw), with the statistics of each
+draw: the sampled token's log-probability and the entropy of the distribution it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings, with transformers' meaning. ``temperature=0`` means greedy decoding."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p (in that order, as transformers does); removed tokens get -inf."""
+    logits = logits.float()
+    if params.temperature not in (0.0, 1.0):
+        logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p is not None and params.top_p < 1.0:
+        sorted_logits, sorted_indices = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - params.top_p)
+        remove_sorted[..., -1:] = False  # keep at least the most likely token
+        remove = remove_sorted.scatter(-1, sorted_indices, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    if params.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
+        remove = probs < threshold
+        remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One token per row: argmax for greedy, otherwise a Gumbel-max draw from the filtered distribution (the same
+    distribution as ``multinomial(softmax(...))``, without its host synchronisation)."""
+    return sample_with_stats(logits, params)[0]
+
+
+def sample_with_stats(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, ...]:
+    """`sample_tokens`, plus each drawn token's log-probability and the entropy (nats) of the distribution it was
+    drawn from: after temperature and filtering, as vLLM's "processed" log-probs. Greedy decoding samples from a
+    point mass: log-probability and entropy 0."""
+    if params.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        zero = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return tokens, zero, zero
+    filtered = filter_logits(logits, params)
+    gumbel = -torch.log(-torch.log(torch.rand_like(filtered).clamp_(min=1e-20, max=1.0 - 1e-7)))
+    tokens = (filtered + gumbel).argmax(dim=-1)
+    log_probs = filtered.log_softmax(dim=-1)
+    entropy = torch.special.entr(log_probs.exp()).sum(dim=-1)
+    return tokens, log_probs.gather(-1, tokens[:, None])[:, 0], entropy
