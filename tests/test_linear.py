@@ -1,4 +1,4 @@
-"""NVFP4Linear: forward/backward against the dense reference, frozen dtypes, and what autograd keeps alive."""
+"""NVFP4A16Linear: forward/backward against the dense reference, frozen dtypes, and what autograd keeps alive."""
 
 import copy
 import io
@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from trl_qerl.nvfp4.format import relative_error
-from trl_qerl.nvfp4.linear import NVFP4Linear, kernels_for, nvfp4_linear
+from trl_qerl.nvfp4.linear import NVFP4A16Linear, kernels_for, nvfp4_linear
 
 
 def _layer(in_features=64, out_features=48, bias=True, seed=0):
     torch.manual_seed(seed)
-    return NVFP4Linear.from_linear(torch.nn.Linear(in_features, out_features, bias=bias))
+    return NVFP4A16Linear.from_linear(torch.nn.Linear(in_features, out_features, bias=bias))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -107,14 +107,14 @@ def test_deepcopy_and_weights_only_serialisation_round_trip():
     torch.save(layer.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    fresh = NVFP4Linear(64, 48)
+    fresh = NVFP4A16Linear(64, 48)
     fresh.load_state_dict(state)
     assert torch.equal(fresh(x), layer(x))
 
 
 def test_bad_construction_and_inputs():
     with pytest.raises(ValueError, match="multiple of 16"):
-        NVFP4Linear(40, 8)
+        NVFP4A16Linear(40, 8)
     layer = _layer()
     with pytest.raises(ValueError, match="last dimension 64"):
         layer(torch.randn(2, 32))

@@ -1,4 +1,4 @@
-"""NVFP4Config + quantizer: quantise on load, save as compressed-tensors, load back, and refuse bad input."""
+"""NVFP4A16Config + quantizer: quantise on load, save as compressed-tensors, load back, and refuse bad input."""
 
 import json
 import subprocess
@@ -12,16 +12,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import trl_qerl
-from trl_qerl import NVFP4Config, NVFP4Linear
+from trl_qerl import NVFP4A16Config, NVFP4A16Linear
 from trl_qerl.nvfp4.format import relative_error
-from trl_qerl.quantizer import QUANT_METHOD, NVFP4HfQuantizer, register
+from trl_qerl.quantizer import QUANT_METHOD, NVFP4A16HfQuantizer, register
 
 
 PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 def _load(path, **kwargs):
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), dtype=torch.bfloat16, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4A16Config(), dtype=torch.bfloat16, **kwargs)
 
 
 def _logits(model, tokens=None):
@@ -36,14 +36,14 @@ def _bits(tensor):
 def test_quantise_on_load_converts_every_projection_and_nothing_else(bf16_checkpoint):
     arch, path = bf16_checkpoint
     model = _load(path)
-    converted = {name for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    converted = {name for name, m in model.named_modules() if isinstance(m, NVFP4A16Linear)}
     assert {name.rpartition(".")[2] for name in converted} == PROJECTIONS
     assert len(converted) == 2 * len(PROJECTIONS)
     assert isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype == torch.bfloat16
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
     for layer in model.modules():
-        if isinstance(layer, NVFP4Linear):
+        if isinstance(layer, NVFP4A16Linear):
             assert "weight" not in layer._parameters
             assert layer.weight_packed.dtype == torch.uint8 and layer.weight_scale.dtype == torch.float8_e4m3fn
             assert layer.weight_global_scale.dtype == torch.float32
@@ -74,14 +74,14 @@ def test_quantise_on_load_holds_at_most_one_group_of_16_bit_weights(tmp_path, mo
     tiny_model("llama", num_hidden_layers=3).save_pretrained(path)
     largest_group = 2 * 128 * 64  # gate_proj + up_proj
     peak = []
-    original = NVFP4HfQuantizer.quantize_loaded_weight
+    original = NVFP4A16HfQuantizer.quantize_loaded_weight
 
     def spy(self, model, name, tensor, missing_keys):
         held = sum(t.numel() for pending in self._pending.values() for t in pending.values())
         peak.append(held + tensor.numel())
         return original(self, model, name, tensor, missing_keys)
 
-    monkeypatch.setattr(NVFP4HfQuantizer, "quantize_loaded_weight", spy)
+    monkeypatch.setattr(NVFP4A16HfQuantizer, "quantize_loaded_weight", spy)
     _load(path)
     assert len(peak) == 3 * len(PROJECTIONS)
     assert max(peak) <= largest_group
@@ -96,7 +96,7 @@ def test_layers_with_unaligned_in_features_stay_16_bit_with_one_warning(tmp_path
     assert len(messages) == 1
     assert "model.layers.0.mlp.down_proj" in messages[0] and "model.layers.1.mlp.down_proj" in messages[0]
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
-    assert isinstance(model.model.layers[0].mlp.up_proj, NVFP4Linear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, NVFP4A16Linear)
     assert "model.layers.1.mlp.down_proj" in model.config.quantization_config.ignore
 
 
@@ -104,11 +104,11 @@ def test_modules_to_not_convert_is_honoured(tmp_path):
     path = tmp_path / "model"
     tiny_model("llama").save_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=NVFP4Config(modules_to_not_convert=["o_proj", "re:.*layers\\.1\\.mlp\\..*"])
+        path, quantization_config=NVFP4A16Config(modules_to_not_convert=["o_proj", "re:.*layers\\.1\\.mlp\\..*"])
     )
     assert isinstance(model.model.layers[0].self_attn.o_proj, torch.nn.Linear)
     assert isinstance(model.model.layers[1].mlp.up_proj, torch.nn.Linear)
-    assert isinstance(model.model.layers[0].mlp.up_proj, NVFP4Linear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, NVFP4A16Linear)
     assert "model.layers.1.mlp.gate_proj" in model.config.quantization_config.ignore
 
 
@@ -131,7 +131,7 @@ def test_save_writes_compressed_tensors_and_round_trips_bit_identically(bf16_che
     assert "model.layers.0.self_attn.q_proj.weight" not in tensors
 
     reloaded = trl_qerl.from_pretrained(saved)
-    assert isinstance(reloaded.model.layers[0].mlp.gate_proj, NVFP4Linear)
+    assert isinstance(reloaded.model.layers[0].mlp.gate_proj, NVFP4A16Linear)
     original, again = model.state_dict(), reloaded.state_dict()
     assert original.keys() == again.keys()
     assert all(torch.equal(_bits(original[k]), _bits(again[k])) and original[k].dtype == again[k].dtype for k in original)
@@ -176,7 +176,7 @@ def test_dequantize_gives_a_plain_model_with_the_same_outputs(tmp_path):
     model = _load(path)
     expected = _logits(model)
     plain = model.dequantize()
-    assert not any(isinstance(m, NVFP4Linear) for m in plain.modules())
+    assert not any(isinstance(m, NVFP4A16Linear) for m in plain.modules())
     assert torch.equal(_logits(plain), expected)
 
 
@@ -257,7 +257,7 @@ def test_pickled_checkpoints_are_never_loaded(tmp_path):
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="safetensors only"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=NVFP4Config(), use_safetensors=False)
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=NVFP4A16Config(), use_safetensors=False)
     with pytest.raises(ValueError, match="safetensors only"):
         trl_qerl.from_pretrained(tmp_path, use_safetensors=False)
     with pytest.raises(OSError):
@@ -277,19 +277,19 @@ def test_disk_offload_is_refused(tmp_path):
     path = tmp_path / "bf16"
     tiny_model("qwen2").save_pretrained(path)
     with pytest.raises(ValueError, match="cannot be offloaded"):
-        AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), device_map={"": "disk"})
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4A16Config(), device_map={"": "disk"})
 
 
 def test_config_round_trip_and_validation():
-    config = NVFP4Config(modules_to_not_convert=["o_proj"])
-    again = NVFP4Config(**config.to_loading_dict())
+    config = NVFP4A16Config(modules_to_not_convert=["o_proj"])
+    again = NVFP4A16Config(**config.to_loading_dict())
     assert again.to_loading_dict() == config.to_loading_dict()
     assert config.to_dict()["quant_method"] == "compressed-tensors"
     assert QUANT_METHOD in repr(config)
     with pytest.raises(ValueError, match="unknown arguments"):
-        NVFP4Config(group_size=32)
+        NVFP4A16Config(group_size=32)
     with pytest.raises(ValueError, match="list of strings"):
-        NVFP4Config(modules_to_not_convert=[3])
+        NVFP4A16Config(modules_to_not_convert=[3])
 
 
 def test_registration_is_idempotent():
@@ -297,7 +297,7 @@ def test_registration_is_idempotent():
     register()
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 
-    assert AUTO_QUANTIZER_MAPPING[QUANT_METHOD] is NVFP4HfQuantizer
+    assert AUTO_QUANTIZER_MAPPING[QUANT_METHOD] is NVFP4A16HfQuantizer
 
 
 def test_import_is_lean():

@@ -7,15 +7,18 @@ NVFP4 4-bit base weights + LoRA + Adaptive Quantization Noise, trained with TRL'
                               args=QeRLConfig(output_dir="out"), train_dataset=dataset)
 
 Importing the package registers the NVFP4 quantizer with transformers; the trainer and its dependencies (TRL,
-PEFT) load on first use.
+PEFT) load on first use. A model loaded with `NVFP4A16Config` (or `from_pretrained`) takes LoRA through plain PEFT
+(``peft.get_peft_model``, ``PeftModel.from_pretrained``) and TRL (``GRPOTrainer(..., peft_config=LoraConfig(...))``)
+with nothing else from this package.
 """
 
+import warnings
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 from .loading import from_pretrained
-from .nvfp4.linear import NVFP4Linear
-from .quantizer import NVFP4Config, NVFP4HfQuantizer, quantize_model
+from .nvfp4.linear import NVFP4A16Linear, NVFP4WeightError
+from .quantizer import NVFP4A16Config, NVFP4A16HfQuantizer, quantize_model
 
 
 __version__ = "0.1.0.dev0"
@@ -43,16 +46,30 @@ if TYPE_CHECKING:
     from .trainer import QeRLGRPOTrainer
 
 
+# Deprecated for one release: transformers exports unrelated classes with these names (W4A4 NVFP4 for Blackwell).
+_DEPRECATED = {"NVFP4Config": NVFP4A16Config, "NVFP4HfQuantizer": NVFP4A16HfQuantizer, "NVFP4Linear": NVFP4A16Linear}
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name], __name__), name)
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        warnings.warn(
+            f"`trl_qerl.{name}` is deprecated and will be removed in the next release; use `trl_qerl.{new.__name__}` "
+            f"(transformers has its own, unrelated `{name}`).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return new
     raise AttributeError(f"module 'trl_qerl' has no attribute {name!r}")
 
 
 __all__ = [
-    "NVFP4Config",
-    "NVFP4HfQuantizer",
-    "NVFP4Linear",
+    "NVFP4A16Config",
+    "NVFP4A16HfQuantizer",
+    "NVFP4A16Linear",
+    "NVFP4WeightError",
     "from_pretrained",
     "quantize_model",
     "__version__",

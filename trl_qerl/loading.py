@@ -1,9 +1,16 @@
-"""`from_pretrained`: one call that loads any checkpoint as an NVFP4 model.
+"""`from_pretrained`: one call that loads any checkpoint as an NVFP4 model, ready for training.
 
-* a 16-bit checkpoint is quantised on load (`NVFP4Config`);
+* a 16-bit checkpoint is quantised on load (`NVFP4A16Config`), exactly as
+  ``AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4A16Config())`` does;
 * a compressed-tensors W4A16 NVFP4 checkpoint (ours, or one made by llm-compressor with scheme "NVFP4A16") is
   loaded as it is, without requantising, and without compressed-tensors decompressing it to bf16;
 * anything else quantised (W4A4 NVFP4, GPTQ, bitsandbytes, ...) is refused with an explanation.
+
+This is the documented way to train from a compressed-tensors NVFP4 checkpoint: plain
+``AutoModelForCausalLM.from_pretrained`` hands such a checkpoint to transformers' compressed-tensors integration,
+which decompresses every layer to bf16 on the first forward (no memory saving, and a dtype mismatch when the
+model is loaded in float32), and transformers refuses a ``quantization_config`` argument that differs from the
+checkpoint's before any quantizer runs.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .quantizer import QUANT_METHOD, NVFP4Config
+from .quantizer import QUANT_METHOD, NVFP4A16Config
 
 
 if TYPE_CHECKING:
@@ -23,28 +30,28 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revi
 
 
 def nvfp4_config_for(
-    model_id_or_path: str, quantization_config: NVFP4Config | None = None, **hub_kwargs: Any
-) -> tuple[Any, NVFP4Config, bool]:
-    """The model config, the `NVFP4Config` to load it with, and whether the checkpoint is pre-quantised."""
+    model_id_or_path: str, quantization_config: NVFP4A16Config | None = None, **hub_kwargs: Any
+) -> tuple[Any, NVFP4A16Config, bool]:
+    """The model config, the `NVFP4A16Config` to load it with, and whether the checkpoint is pre-quantised."""
     config = AutoConfig.from_pretrained(model_id_or_path, **hub_kwargs)
     existing = getattr(config, "quantization_config", None)
     if existing is None:
-        return config, quantization_config or NVFP4Config(), False
+        return config, quantization_config or NVFP4A16Config(), False
     existing = existing if isinstance(existing, dict) else existing.to_dict()
     if existing.get("quant_method") == QUANT_METHOD:
-        return config, NVFP4Config(**existing), True
+        return config, NVFP4A16Config.from_dict(existing), True
     overrides = {}
     if quantization_config is not None:
         overrides = {
             "modules_to_not_convert": quantization_config.modules_to_not_convert,
             "shared_scale_groups": quantization_config.shared_scale_groups,
         }
-    return config, NVFP4Config.from_compressed_tensors(existing, **overrides), True
+    return config, NVFP4A16Config.from_compressed_tensors(existing, **overrides), True
 
 
 def from_pretrained(
     model_id_or_path: str,
-    quantization_config: NVFP4Config | None = None,
+    quantization_config: NVFP4A16Config | None = None,
     model_class: type = AutoModelForCausalLM,
     **kwargs: Any,
 ) -> "PreTrainedModel":
@@ -52,7 +59,7 @@ def from_pretrained(
 
     Args:
         model_id_or_path: Hub id or local directory.
-        quantization_config: options for quantising a 16-bit checkpoint (defaults to `NVFP4Config()`); for a
+        quantization_config: options for quantising a 16-bit checkpoint (defaults to `NVFP4A16Config()`); for a
             pre-quantised one only ``modules_to_not_convert`` and ``shared_scale_groups`` are used.
         model_class: the auto class to load with.
         **kwargs: passed to ``model_class.from_pretrained`` (``device_map``, ``dtype``, ...). Weights are read

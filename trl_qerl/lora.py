@@ -1,33 +1,39 @@
-"""LoRA on NVFP4 layers through PEFT: the layer, its registration, adapter loading, and merged export.
+"""LoRA on NVFP4 layers through PEFT: an activation-dtype LoRA layer, adapter loading, and merged export.
 
-PEFT learns about `NVFP4Linear` through its custom-module mechanism (`LoraConfig._register_custom_module`), so
-``get_peft_model`` works on an NVFP4 model as on a 16-bit one. The registration is not saved with the adapter:
-`load_adapter` re-registers it. Saved adapters are plain PEFT adapters (standard key names): a PEFT user loads
-them onto the 16-bit base model without this package.
+`NVFP4A16Linear` is an ``nn.Linear``, so plain PEFT needs nothing from this module: ``peft.get_peft_model(model,
+LoraConfig(target_modules="all-linear"))``, ``PeftModel.from_pretrained`` and TRL's ``peft_config=`` wrap NVFP4
+layers with PEFT's own ``lora.Linear``. That layer casts the activations to the adapter dtype, so with fp32 adapter
+masters (PEFT's default ``autocast_adapter_dtype=True``) its LoRA products run in fp32, and the fp32 copy of each
+input is what autograd keeps for the LoRA backward.
+
+`nvfp4_lora_config` / `get_peft_model` here (what `QeRLGRPOTrainer` uses) register `LoraNVFP4Linear` instead
+(PEFT's experimental ``LoraConfig._register_custom_module``): the same adapters, but the products run in the
+activation dtype (the fp32 masters are cast to it, as autocast would), so a bf16 model keeps bf16 activations for
+backward. The registration is not saved with the adapter; `load_adapter` re-registers it, and plain PEFT loading
+falls back to ``lora.Linear``. Saved adapters are plain PEFT adapters either way (standard key names): they load
+onto the 16-bit base model with PEFT alone.
 
 Merging LoRA into 4-bit weights (dequantise, add, requantise) rounds away every update smaller than one E2M1
-step, so `LoraNVFP4Linear.merge` refuses; `merge_and_export` merges into the 16-bit master weights instead and
-can quantise the result afresh.
+step, so merging refuses (`NVFP4WeightError`, from either layer); `merge_and_export` merges into the 16-bit master
+weights instead and can quantise the result afresh.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel
 from peft import get_peft_model as peft_get_peft_model
-from peft.tuners.lora.layer import LoraLayer
+from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
-from .nvfp4.linear import NVFP4Linear
-from .quantizer import NVFP4Config
+from .nvfp4.linear import MERGE_REFUSAL, NVFP4A16Linear, NVFP4WeightError
+from .quantizer import NVFP4A16Config
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -35,21 +41,16 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")
 """The RMSNorms that QeRL's reference scripts train alongside LoRA (and that AQN perturbs)."""
 
-_MERGE_REFUSAL = (
-    "Merging a LoRA adapter into NVFP4 weights would dequantise, add and requantise, rounding away every update "
-    "smaller than one E2M1 step. Keep the adapter separate (vLLM and trl-qerl apply it unmerged), or call "
-    "`trl_qerl.merge_and_export(model, output_dir, base_model=<16-bit checkpoint>)` to merge into the 16-bit "
-    "master weights and optionally quantise the result afresh."
-)
 
-
-class LoraNVFP4Linear(nn.Module, LoraLayer):
-    """LoRA adapters (16-bit) on top of a frozen `NVFP4Linear`: ``y = base(x) + B(A(dropout(x))) * scaling``.
+class LoraNVFP4Linear(LoraLinear):
+    """PEFT's ``lora.Linear`` on a frozen `NVFP4A16Linear`, with the LoRA products in the activation dtype:
+    ``y = base(x) + B(A(dropout(x))) * scaling``.
 
     Adapters are created in the base layer's compute dtype on its device; ``get_peft_model`` (PEFT's default
     ``autocast_adapter_dtype=True``) and `QeRLGRPOTrainer` keep them as fp32 masters, so that small optimizer
     updates are not rounded away. The products run in the activation dtype (the weights are cast to it, as
-    autocast does), so a bf16 model computes LoRA in bf16.
+    autocast does), so a bf16 model computes LoRA in bf16. Options that need the dense base weight (DoRA, LoRA
+    bias, PiSSA/OLoRA/LoftQ-style initialisations) and other LoRA variants are refused.
     """
 
     def __init__(
@@ -65,27 +66,18 @@ class LoraNVFP4Linear(nn.Module, LoraLayer):
                     f"{type(self).__name__} does not support {option}={getattr(config, option)!r} (it needs the "
                     f"dense base weight); use the default LoRA settings for NVFP4 layers."
                 )
-        super().__init__()
-        LoraLayer.__init__(self, base_layer)
-        self.fan_in_fan_out = False
-        self._active_adapter = adapter_name
-        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
-
-    def _get_base_layer_device_and_dtype(self, base_layer):
-        # PEFT looks for `weight`/`qweight`; an NVFP4 layer has packed tensors and a compute dtype instead.
-        return base_layer.weight_packed.device, base_layer.compute_dtype
+        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
+        self.fan_in_fan_out = False  # an nn.Linear weight is [out, in], whatever the config says
+        if self.lora_variant:
+            variant = type(self.lora_variant[adapter_name]).__name__
+            raise ValueError(f"{type(self).__name__} does not support the LoRA variant {variant}; use plain LoRA.")
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise ValueError(_MERGE_REFUSAL)
+        raise NVFP4WeightError(MERGE_REFUSAL)
 
     def unmerge(self) -> None:
         # Nothing is ever merged into the packed weights, so there is nothing to undo.
         return None
-
-    def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        """``B @ A * scaling`` in the adapter dtype: the update a merge into 16-bit weights adds."""
-        weight_a, weight_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-        return (weight_b @ weight_a) * self.scaling[adapter]
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._check_forward_args(x, *args, **kwargs)
@@ -108,21 +100,11 @@ class LoraNVFP4Linear(nn.Module, LoraLayer):
             result = result + (output * scaling).to(result.dtype)
         return result
 
-    def __repr__(self) -> str:
-        return "lora." + super().__repr__()
-
-
-@contextmanager
-def _registered_layer_is_supported() -> Iterator[None]:
-    # PEFT warns "Unsupported layer type" for any non-nn.Linear base layer, registered or not.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*NVFP4Linear")
-        yield
-
 
 def register_nvfp4_lora(config: LoraConfig) -> LoraConfig:
-    """Teach ``config`` (in place, and return it) to put `LoraNVFP4Linear` on `NVFP4Linear` layers."""
-    config._register_custom_module({NVFP4Linear: LoraNVFP4Linear})
+    """Teach ``config`` (in place, and return it) to put `LoraNVFP4Linear` on `NVFP4A16Linear` layers (without
+    this, PEFT uses its own ``lora.Linear``, which works too; see the module docstring for the difference)."""
+    config._register_custom_module({NVFP4A16Linear: LoraNVFP4Linear})
     return config
 
 
@@ -132,15 +114,15 @@ def _linear_leaf_names(model: nn.Module) -> list[str]:
     names = {
         name.rpartition(".")[2]
         for name, module in model.named_modules()
-        if isinstance(module, (nn.Linear, NVFP4Linear)) and module is not output
+        if isinstance(module, nn.Linear) and module is not output
     }
     return sorted(names)
 
 
 def resolve_target_modules(model: nn.Module, target_modules: str | Sequence[str] | None) -> list[str]:
-    """The projections to put LoRA on: the seven decoder projections by default, every Linear-like layer but the
-    output embedding for ``"all-linear"`` (PEFT's own "all-linear" does not see NVFP4 layers), or an explicit list
-    checked against the model."""
+    """The projections to put LoRA on: the seven decoder projections by default, every Linear layer (NVFP4 or
+    16-bit) but the output embedding for ``"all-linear"`` (as PEFT's own "all-linear", but as leaf names), or an
+    explicit list checked against the model."""
     available = _linear_leaf_names(model)
     if target_modules is None:
         chosen = [name for name in PROJECTIONS if name in available]
@@ -206,7 +188,8 @@ def nvfp4_lora_config(
 
 
 def get_peft_model(model: nn.Module, config: LoraConfig | None = None, **kwargs: Any) -> PeftModel:
-    """`peft.get_peft_model` for NVFP4 models: registers the NVFP4 LoRA layer and resolves ``"all-linear"``."""
+    """`peft.get_peft_model` with `LoraNVFP4Linear` on NVFP4 layers (LoRA products in the activation dtype) and
+    ``"all-linear"`` resolved to leaf names. Plain ``peft.get_peft_model`` works on NVFP4 models too."""
     if config is None:
         config = nvfp4_lora_config(model)
     if config.target_modules == "all-linear":
@@ -215,17 +198,16 @@ def get_peft_model(model: nn.Module, config: LoraConfig | None = None, **kwargs:
         if config.r <= 0:
             raise ValueError(f"LoRA rank must be a positive integer, got r={config.r}.")
         register_nvfp4_lora(config)
-    with _registered_layer_is_supported():
-        return peft_get_peft_model(model, config, **kwargs)
+    return peft_get_peft_model(model, config, **kwargs)
 
 
 def load_adapter(
     model: nn.Module, adapter_path: str | os.PathLike, is_trainable: bool = False, **kwargs: Any
 ) -> PeftModel:
-    """Load a saved LoRA adapter onto an NVFP4 (or 16-bit) base model, re-registering the NVFP4 LoRA layer."""
+    """Load a saved LoRA adapter onto an NVFP4 (or 16-bit) base model with `LoraNVFP4Linear` on NVFP4 layers.
+    (Plain ``PeftModel.from_pretrained`` works too, with PEFT's ``lora.Linear``.)"""
     config = register_nvfp4_lora(LoraConfig.from_pretrained(str(adapter_path)))
-    with _registered_layer_is_supported():
-        return PeftModel.from_pretrained(model, str(adapter_path), config=config, is_trainable=is_trainable, **kwargs)
+    return PeftModel.from_pretrained(model, str(adapter_path), config=config, is_trainable=is_trainable, **kwargs)
 
 
 def merge_and_export(
@@ -234,7 +216,7 @@ def merge_and_export(
     base_model: str | os.PathLike | None = None,
     export_format: Literal["bf16", "nvfp4"] = "bf16",
     dtype: torch.dtype = torch.bfloat16,
-    quantization_config: NVFP4Config | None = None,
+    quantization_config: NVFP4A16Config | None = None,
     **load_kwargs: Any,
 ) -> str:
     """Merge LoRA adapters (and trained norms) into the 16-bit master weights and save a checkpoint.

@@ -1,14 +1,23 @@
-"""`NVFP4Config` and its transformers quantizer: NVFP4 base weights through the ordinary `from_pretrained`.
+"""`NVFP4A16Config` and its transformers quantizer: NVFP4 base weights through the ordinary `from_pretrained`.
 
-* ``AutoModelForCausalLM.from_pretrained(bf16_checkpoint, quantization_config=NVFP4Config())`` quantises while
+* ``AutoModelForCausalLM.from_pretrained(bf16_checkpoint, quantization_config=NVFP4A16Config())`` quantises while
   loading: each Linear weight is quantised as soon as it (and the other members of its shared-scale group,
   q/k/v or gate/up) has been read, so the whole 16-bit model never sits on the device.
-* Pre-quantised compressed-tensors NVFP4 checkpoints load through `trl_qerl.from_pretrained` (see
+* Pre-quantised compressed-tensors NVFP4 checkpoints load for training through `trl_qerl.from_pretrained` (see
   `trl_qerl.loading`), which routes them to this quantizer instead of compressed-tensors' decompressing one.
-* ``save_pretrained`` writes a compressed-tensors "nvfp4-pack-quantized" checkpoint: `NVFP4Config.to_dict`
-  emits compressed-tensors' own config, so vLLM and transformers + compressed-tensors read our checkpoints
-  without this package, and nothing falls into transformers' "unknown quant_method: load as random bf16"
-  trap.
+  (transformers picks the quantizer from the checkpoint's ``quant_method``, "compressed-tensors", and refuses a
+  different ``quantization_config`` argument before any quantizer code runs, so plain
+  ``AutoModelForCausalLM.from_pretrained`` cannot be redirected without patching transformers.)
+* ``save_pretrained`` writes a compressed-tensors "nvfp4-pack-quantized" checkpoint: `NVFP4A16Config.to_dict`
+  emits compressed-tensors' own config (and `NVFP4A16Config.from_dict` reads it back), so vLLM and
+  transformers + compressed-tensors read our checkpoints without this package, and nothing falls into
+  transformers' "unknown quant_method: load as random bf16" trap.
+* `quantize_model` converts a model already in memory through the same quantizer hooks as loading
+  (``preprocess_model``, the per-weight quantise op, ``postprocess_model``).
+
+The names say W4A16 ("NVFP4A16", llm-compressor's name for the scheme): transformers has its own, unrelated
+``NVFP4Config``/``NVFP4HfQuantizer`` (W4A4 for Blackwell, inference only). The old names remain as deprecated
+aliases for one release.
 
 Checked against transformers 5.17 and 5.24 (quantizer API: `param_needs_quantization`, `get_quantize_ops`,
 `ConversionOps.convert(..., full_layer_name=, missing_keys=)`).
@@ -30,7 +39,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .nvfp4.format import GROUP_SIZE, check_packed, check_quantizable, quantize, shared_global_scale
-from .nvfp4.linear import QUANTIZED_TENSOR_NAMES, NVFP4Linear, nvfp4_modules
+from .nvfp4.linear import QUANTIZED_TENSOR_NAMES, NVFP4A16Linear, nvfp4_modules
 
 
 QUANT_METHOD = "qerl_nvfp4"
@@ -55,7 +64,7 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-class NVFP4Config(QuantizationConfigMixin):
+class NVFP4A16Config(QuantizationConfigMixin):
     """Weight-only NVFP4 quantisation (W4A16) for QeRL: E2M1 values, FP8 block scales per 16, FP32 global scale.
 
     Args:
@@ -67,6 +76,10 @@ class NVFP4Config(QuantizationConfigMixin):
         targets: compressed-tensors targets of a pre-quantised checkpoint (``"Linear"``, names or ``"re:"``).
         ignore: Linear modules left unquantised; filled in when a model is converted, saved as compressed-tensors'
             ``ignore`` list.
+
+    ``to_dict()`` is the compressed-tensors config that ``save_pretrained`` writes; ``from_dict()`` reads it (or
+    the `to_loading_dict` form) back. ``modules_to_not_convert`` and ``shared_scale_groups`` act when quantising:
+    afterwards they live on in ``ignore`` and in the stored scales, which is all a saved checkpoint needs.
     """
 
     def __init__(
@@ -79,7 +92,7 @@ class NVFP4Config(QuantizationConfigMixin):
     ) -> None:
         quant_method = kwargs.pop("quant_method", QUANT_METHOD)
         if quant_method != QUANT_METHOD:
-            raise ValueError(f"NVFP4Config got quant_method={quant_method!r}, expected {QUANT_METHOD!r}.")
+            raise ValueError(f"{type(self).__name__} got quant_method={quant_method!r}, expected {QUANT_METHOD!r}.")
         self.quant_method = QUANT_METHOD
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
         groups = DEFAULT_SHARED_SCALE_GROUPS if shared_scale_groups is None else shared_scale_groups
@@ -87,16 +100,16 @@ class NVFP4Config(QuantizationConfigMixin):
         self.targets = list(targets) if targets is not None else ["Linear"]
         self.ignore = list(ignore) if ignore is not None else []
         if kwargs:
-            raise ValueError(f"NVFP4Config got unknown arguments {sorted(kwargs)}.")
+            raise ValueError(f"{type(self).__name__} got unknown arguments {sorted(kwargs)}.")
         self._check()
 
     def _check(self) -> None:
         for name in ("modules_to_not_convert", "targets", "ignore"):
             value = getattr(self, name)
             if value is not None and not all(isinstance(item, str) for item in value):
-                raise ValueError(f"NVFP4Config.{name} must be a list of strings, got {value!r}.")
+                raise ValueError(f"{type(self).__name__}.{name} must be a list of strings, got {value!r}.")
         if not all(isinstance(m, str) for group in self.shared_scale_groups for m in group):
-            raise ValueError(f"NVFP4Config.shared_scale_groups must be lists of names, got {self.shared_scale_groups}.")
+            raise ValueError(f"{type(self).__name__}.shared_scale_groups must be lists of names, got {self.shared_scale_groups}.")
 
     def to_dict(self) -> dict[str, Any]:
         """The compressed-tensors config that `save_pretrained` writes to config.json."""
@@ -118,6 +131,24 @@ class NVFP4Config(QuantizationConfigMixin):
             "global_compression_ratio": None,
         }
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        """Read `to_dict`'s compressed-tensors form (as saved in config.json) or the `to_loading_dict` form;
+        ``kwargs`` naming attributes override them (as in transformers' configs)."""
+        config_dict = dict(config_dict)
+        if config_dict.get("quant_method") == "compressed-tensors":
+            config = cls.from_compressed_tensors(config_dict)
+        else:
+            config = cls(**config_dict)
+        unused = {}
+        for key, value in kwargs.items():
+            if hasattr(config, key):
+                setattr(config, key, value)
+            else:
+                unused[key] = value
+        config._check()
+        return (config, unused) if return_unused_kwargs else config
+
     def to_loading_dict(self) -> dict[str, Any]:
         """A dict that routes `from_pretrained` of a pre-quantised checkpoint to this package's quantizer."""
         return {
@@ -135,7 +166,7 @@ class NVFP4Config(QuantizationConfigMixin):
         return f"{type(self).__name__} {json.dumps(self.to_loading_dict(), sort_keys=True)}"
 
     @classmethod
-    def from_compressed_tensors(cls, config: dict[str, Any], **overrides: Any) -> NVFP4Config:
+    def from_compressed_tensors(cls, config: dict[str, Any], **overrides: Any) -> NVFP4A16Config:
         """Read a compressed-tensors quantization config; refuses anything but W4A16 NVFP4 with a clear error."""
         check_compressed_tensors_config(config)
         group = next(iter(config["config_groups"].values()))
@@ -185,7 +216,7 @@ def _matches(name: str, module: nn.Module, patterns: Iterable[str]) -> bool:
 class NVFP4QuantizeOp(ConversionOps):
     """Quantises one checkpoint weight while it loads (transformers' on-the-fly conversion hook)."""
 
-    def __init__(self, quantizer: NVFP4HfQuantizer) -> None:
+    def __init__(self, quantizer: NVFP4A16HfQuantizer) -> None:
         self.quantizer = quantizer
 
     def convert(self, input_dict, *args, full_layer_name=None, model=None, missing_keys=None, **kwargs):
@@ -194,12 +225,12 @@ class NVFP4QuantizeOp(ConversionOps):
         return self.quantizer.quantize_loaded_weight(model, full_layer_name, tensor, missing_keys)
 
 
-class NVFP4HfQuantizer(HfQuantizer):
-    """transformers quantizer for `NVFP4Config` (quantise on load, or load pre-quantised tensors by name)."""
+class NVFP4A16HfQuantizer(HfQuantizer):
+    """transformers quantizer for `NVFP4A16Config` (quantise on load, or load pre-quantised tensors by name)."""
 
     requires_calibration = False
 
-    def __init__(self, quantization_config: NVFP4Config, **kwargs: Any) -> None:
+    def __init__(self, quantization_config: NVFP4A16Config, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self._group_of: dict[str, tuple[str, ...]] = {}
         self._pending: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
@@ -240,12 +271,12 @@ class NVFP4HfQuantizer(HfQuantizer):
     def select_linears(self, model) -> list[str]:
         """Names of the Linear layers to quantise; records the rest in ``quantization_config.ignore`` and warns
         once about layers kept in 16-bit because ``in_features`` is not a multiple of 16."""
-        config: NVFP4Config = self.quantization_config
+        config: NVFP4A16Config = self.quantization_config
         keep = self.get_modules_to_not_convert(model, config.modules_to_not_convert, add_default_skips=True)
         ignored, unaligned, converted = [], [], []
         adapters = _adapter_subtrees(model)
         for name, module in model.named_modules():
-            if not isinstance(module, nn.Linear) or name.startswith(adapters):
+            if not isinstance(module, nn.Linear) or isinstance(module, NVFP4A16Linear) or name.startswith(adapters):
                 continue
             if _matches(name, module, keep) or (self.pre_quantized and _matches(name, module, config.ignore)):
                 ignored.append(name)
@@ -269,10 +300,10 @@ class NVFP4HfQuantizer(HfQuantizer):
         config.ignore = sorted(set(ignored + unaligned))
         return converted
 
-    def _nvfp4_placeholder(self, linear: nn.Linear) -> NVFP4Linear:
+    def _nvfp4_placeholder(self, linear: nn.Linear) -> NVFP4A16Linear:
         bias = linear.bias
         with torch.device("meta"):
-            layer = NVFP4Linear(
+            layer = NVFP4A16Linear(
                 linear.in_features,
                 linear.out_features,
                 bias=bias is not None,
@@ -295,7 +326,7 @@ class NVFP4HfQuantizer(HfQuantizer):
         if self.pre_quantized:
             return False
         module_name, _, leaf = param_name.rpartition(".")
-        return leaf == "weight" and isinstance(model.get_submodule(module_name), NVFP4Linear)
+        return leaf == "weight" and isinstance(model.get_submodule(module_name), NVFP4A16Linear)
 
     def get_quantize_ops(self) -> NVFP4QuantizeOp:
         return NVFP4QuantizeOp(self)
@@ -383,7 +414,7 @@ def _check_safetensors_only(checkpoint_files: Sequence[str] | None) -> None:
         )
 
 
-def _check_checkpoint_tensors(checkpoint_files: Sequence[str], layers: dict[str, NVFP4Linear]) -> None:
+def _check_checkpoint_tensors(checkpoint_files: Sequence[str], layers: dict[str, NVFP4A16Linear]) -> None:
     """Check names, dtypes and shapes of every NVFP4 tensor from the safetensors headers (no data is read)."""
     from safetensors import safe_open
 
@@ -418,7 +449,7 @@ def _check_checkpoint_tensors(checkpoint_files: Sequence[str], layers: dict[str,
         raise ValueError("The NVFP4 checkpoint does not match the model:\n  " + "\n  ".join(problems))
 
 
-def _check_loaded_layer(name: str, layer: NVFP4Linear) -> None:
+def _check_loaded_layer(name: str, layer: NVFP4A16Linear) -> None:
     for tensor_name in QUANTIZED_TENSOR_NAMES:
         getattr(layer, tensor_name).requires_grad_(False)
     check_packed(*layer.quantized_weight, name=name, shape=(layer.out_features, layer.in_features))
@@ -442,12 +473,15 @@ def _adapter_subtrees(model: nn.Module) -> tuple[str, ...]:
     return tuple(prefixes)
 
 
-def quantize_model(model, config: NVFP4Config | None = None):
-    """Quantise an already-loaded 16-bit model to NVFP4 in place and return it.
+def quantize_model(model, config: NVFP4A16Config | None = None):
+    """Quantise an already-loaded 16-bit transformers model to NVFP4 in place and return it.
 
-    For model instances built in memory (``from_pretrained(..., quantization_config=NVFP4Config())`` is the
-    memory-frugal path for checkpoints: this one needs the 16-bit model in memory first). Shared-scale groups,
-    skipped layers and the saved format are the same as on load.
+    For model instances built in memory (``from_pretrained(..., quantization_config=NVFP4A16Config())`` is the
+    memory-frugal path for checkpoints: this one needs the 16-bit model in memory first). It runs the quantizer's
+    own hooks, as ``from_pretrained`` does: ``preprocess_model`` swaps the selected Linears for NVFP4 placeholders,
+    each 16-bit weight goes through the quantise-on-load conversion (shared-scale groups included), and
+    ``postprocess_model`` checks the result and records the config. Skipped layers and the saved format are the
+    same as on load.
     """
     if getattr(model, "is_quantized", False):
         if getattr(model, "quantization_method", None) == QUANT_METHOD:
@@ -456,39 +490,55 @@ def quantize_model(model, config: NVFP4Config | None = None):
             f"The model is already quantised with {getattr(model, 'quantization_method', 'another method')!r}; "
             "load it in 16-bit to quantise it to NVFP4."
         )
-    config = config or NVFP4Config()
-    quantizer = NVFP4HfQuantizer(config, pre_quantized=False)
-    converted = quantizer.select_linears(model)
-    for group in dict.fromkeys(_shared_scale_groups(converted, config.shared_scale_groups).values()):
-        linears = [model.get_submodule(name) for name in group]
-        global_scale = shared_global_scale([linear.weight for linear in linears])
-        for name, linear in zip(group, linears):
-            model.set_submodule(name, NVFP4Linear.from_linear(linear, global_scale, name=name))
-    for name in converted:
-        if not isinstance(model.get_submodule(name), NVFP4Linear):  # layers outside any shared-scale group
-            model.set_submodule(name, NVFP4Linear.from_linear(model.get_submodule(name), name=name))
-    quantizer.pre_quantized = True  # from now on the model holds packed tensors
-    model.is_quantized = True
-    model.quantization_method = QUANT_METHOD
-    model.hf_quantizer = quantizer
-    model.config.quantization_config = config
-    model.config._is_quantized = True
+    config = config or NVFP4A16Config()
+    dense = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    quantizer = NVFP4A16HfQuantizer(config, pre_quantized=False)
+    quantizer.preprocess_model(model)
+    converted = {name: linear for name, linear in dense.items() if model.get_submodule(name) is not linear}
+    del dense
+    with torch.no_grad():
+        for name in list(converted):
+            linear = converted.pop(name)  # dropped once its group is quantised: one 16-bit group at a time
+            if linear.bias is not None:
+                model.get_submodule(name).bias = linear.bias
+            tensors = quantizer.quantize_loaded_weight(model, f"{name}.weight", linear.weight.detach(), None)
+            for key, tensor in tensors.items():  # what transformers' loader does with a conversion's output
+                module_name, _, leaf = key.rpartition(".")
+                setattr(model.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
+    model.hf_quantizer = quantizer  # set by from_pretrained itself, outside the quantizer's hooks
+    quantizer.postprocess_model(model)
     return model
 
 
 def register() -> None:
-    """Register `NVFP4Config` and `NVFP4HfQuantizer` with transformers (idempotent)."""
+    """Register `NVFP4A16Config` and `NVFP4A16HfQuantizer` with transformers (idempotent)."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-        register_quantization_config(QUANT_METHOD)(NVFP4Config)
+        register_quantization_config(QUANT_METHOD)(NVFP4A16Config)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
-        register_quantizer(QUANT_METHOD)(NVFP4HfQuantizer)
+        register_quantizer(QUANT_METHOD)(NVFP4A16HfQuantizer)
 
 
 register()
 
+_DEPRECATED_NAMES = {"NVFP4Config": "NVFP4A16Config", "NVFP4HfQuantizer": "NVFP4A16HfQuantizer"}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED_NAMES:
+        new = _DEPRECATED_NAMES[name]
+        warnings.warn(
+            f"`{name}` is deprecated and will be removed in the next release; use `{new}` (transformers has its own, "
+            f"unrelated `{name}`).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "NVFP4Config",
-    "NVFP4HfQuantizer",
+    "NVFP4A16Config",
+    "NVFP4A16HfQuantizer",
     "QUANT_METHOD",
     "check_compressed_tensors_config",
     "quantize_model",

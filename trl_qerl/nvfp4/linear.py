@@ -1,9 +1,34 @@
-"""`NVFP4Linear`: a frozen linear layer whose weight lives in NVFP4 (4.5 bits per weight).
+"""`NVFP4A16Linear`: a frozen `nn.Linear` whose weight lives in NVFP4 (4.5 bits per weight, W4A16).
 
 The layer keeps the three compressed-tensors tensors (``weight_packed``, ``weight_scale``,
-``weight_global_scale``) and never stores a dense weight. Its autograd function saves only those packed
-tensors for backward and dequantises again there, so training with LoRA on top does not keep a bf16 copy
-of every base weight alive between forward and backward.
+``weight_global_scale``) as frozen parameters and never stores a dense weight. Its autograd function saves only
+those packed tensors for backward and dequantises again there, so training with LoRA on top does not keep a
+16-bit copy of every base weight alive between forward and backward. Products run in the dtype of the activations
+they receive (fp32 activations dequantise to fp32, bf16 to bf16).
+
+Why an ``nn.Linear`` subclass with a storage-less ``weight`` handle, and not a torchao-style quantised tensor
+subclass as ``nn.Linear.weight``:
+
+* PEFT, TRL and transformers recognise linear layers by ``isinstance(module, nn.Linear)``: PEFT's default dispatch
+  wraps the layer with its own ``lora.Linear``, ``target_modules="all-linear"`` selects it, ``PeftModel.from_pretrained``
+  and ``GRPOTrainer(peft_config=LoraConfig(...))`` work with no registration (PEFT's ``_register_custom_module``
+  is private and not saved with the adapter). A quantised-tensor weight gains nothing there: PEFT special-cases
+  only torchao's own classes (``dispatch_torchao``, ``dequantize_module_weight``), so a foreign subclass would be
+  wrapped by the same default ``lora.Linear``.
+* The checkpoint format is compressed-tensors': three separately named tensors per layer, which transformers loads
+  by name into typed placeholders and vLLM reads as they are. A single ``weight`` subclass would need flatten and
+  unflatten conversion ops for loading and saving (an API that changed between transformers 5.17 and 5.24) and a
+  custom state dict for the vLLM export.
+* Plain uint8/fp8/fp32 parameters already work with everything that touches parameters (DDP broadcast exclusion by
+  name, ``deepcopy``, ``torch.save``, device moves, CUDA graphs and ``torch.compile`` through the custom ops); a
+  parameter subclass would need a dispatch rule for each of those, and subclass tracing under ``torch.compile``.
+
+``weight`` is therefore a property returning a `NVFP4WeightHandle`: a tensor subclass with the layer's shape
+``[out, in]``, compute dtype and device but no storage. It is what PEFT reads to place and type adapters; it is
+not a parameter or buffer (not in ``state_dict``, optimizers or DDP); ``F.linear(x, layer.weight, layer.bias)``
+computes the NVFP4 product; transformers' weight initialisation skips it; every other operation on it (PEFT's merge,
+DoRA/PiSSA/LoftQ initialisations, in-place edits) raises `NVFP4WeightError`, which points at
+``trl_qerl.merge_and_export``: merging LoRA into 4-bit weights rounds the update away.
 
 Matrix products go through a small per-device kernel registry: the pure-torch reference (dequantise, then
 `F.linear`) serves every device; `trl_qerl.nvfp4.kernels` registers fused Triton kernels for CUDA.
@@ -11,6 +36,7 @@ Matrix products go through a small per-device kernel registry: the pure-torch re
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,13 +56,25 @@ _BIT_VIEW_DTYPE = {torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+MERGE_REFUSAL = (
+    "Merging a LoRA adapter into NVFP4 weights would dequantise, add and requantise, rounding away every update "
+    "smaller than one E2M1 step. Keep the adapter separate (vLLM and trl-qerl apply it unmerged), or call "
+    "`trl_qerl.merge_and_export(model, output_dir, base_model=<16-bit checkpoint>)` to merge into the 16-bit "
+    "master weights and optionally quantise the result afresh."
+)
+
+
+class NVFP4WeightError(ValueError):
+    """Dense arithmetic on the packed weight of an NVFP4 layer (a LoRA merge, an initialisation from the base
+    weight, an in-place edit) was refused."""
+
 
 @dataclass(frozen=True)
 class NVFP4Kernels:
     """The two products an NVFP4 layer needs, for activations ``x[M, in]`` and the weight ``W[out, in]``.
 
     Attributes:
-        linear: ``(x, weight_packed, weight_scale, weight_global_scale) -> x @ W.T`` (no bias).
+        linear: ``(x, weight_packed, weight_scale, weight_global_scale) -> x @ W.T`` (no bias), in ``x.dtype``.
         grad_input: ``(grad_out, weight_packed, weight_scale, weight_global_scale) -> grad_out @ W``.
         name: shown in logs and benchmarks.
     """
@@ -115,12 +153,74 @@ def nvfp4_linear(
     weight_global_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Functional form of `NVFP4Linear.forward`; differentiable w.r.t. ``x`` and ``bias``."""
+    """Functional form of `NVFP4A16Linear.forward`; differentiable w.r.t. ``x`` and ``bias``; in ``x.dtype``."""
     return NVFP4LinearFunction.apply(x, weight_packed, weight_scale, weight_global_scale, bias)
 
 
-class NVFP4Linear(nn.Module):
-    """A linear layer with frozen NVFP4 weights and an optional 16-bit bias.
+_aten = torch.ops.aten
+_HANDLE_ALIASES = (_aten.detach.default, _aten.alias.default)
+
+
+class NVFP4WeightHandle(torch.Tensor):
+    """What `NVFP4A16Linear.weight` returns: the ``[out, in]`` weight's shape, compute dtype and device, no storage.
+
+    ``F.linear(x, handle, bias)`` computes the NVFP4 product, `dequantize` gives a dense copy, ``detach()`` and
+    ``.data`` give another handle; every other operation raises `NVFP4WeightError`.
+    """
+
+    _is_hf_initialized = True  # transformers' weight initialisation leaves it alone (it was loaded, not created)
+
+    @staticmethod
+    def __new__(cls, quantized: NVFP4Weight, dtype: torch.dtype):
+        packed = quantized.weight_packed
+        shape = (packed.shape[0], packed.shape[1] * 2)
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=packed.device, requires_grad=False)
+
+    def __init__(self, quantized: NVFP4Weight, dtype: torch.dtype) -> None:
+        self.quantized = NVFP4Weight(*quantized)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dense ``[out, in]`` weight in ``dtype`` (default: the layer's compute dtype), a new tensor."""
+        return dequantize(*self.quantized, dtype=dtype or self.dtype)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"NVFP4WeightHandle(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    def __reduce_ex__(self, protocol):
+        raise NVFP4WeightError(
+            "NVFP4A16Linear.weight is a handle without data and cannot be pickled; save the layer's state_dict "
+            "(weight_packed, weight_scale, weight_global_scale) instead."
+        )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, bias = _linear_arguments(*args, **kwargs)
+            if isinstance(weight, cls) and not isinstance(x, cls) and not isinstance(bias, cls):
+                return nvfp4_linear(x, *weight.quantized, bias)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _HANDLE_ALIASES:
+            handle = args[0]
+            return cls(handle.quantized, handle.dtype)
+        raise NVFP4WeightError(
+            f"NVFP4A16Linear keeps its weight packed in 4 bits; its `weight` is a handle without data and refuses "
+            f"dense arithmetic ({func}). {MERGE_REFUSAL} LoRA variants and initialisations that need the dense base "
+            "weight (DoRA, PiSSA, OLoRA, LoftQ, CorDA, ...) are not supported on NVFP4 layers. For a dense copy of "
+            "the weight call `layer.dequantize_weight()`."
+        )
+
+
+def _linear_arguments(input, weight, bias=None):
+    return input, weight, bias
+
+
+class NVFP4A16Linear(nn.Linear):
+    """A linear layer with frozen NVFP4 weights and an optional 16-bit bias (an `nn.Linear` without a dense weight).
 
     Args:
         in_features: size of each input sample; must be a multiple of 16.
@@ -128,13 +228,15 @@ class NVFP4Linear(nn.Module):
         bias: whether the layer has a (trainable-capable) bias.
         device: where to allocate the (empty) tensors.
         dtype: dtype of the bias.
-        compute_dtype: dtype of the activations this layer normally sees (what LoRA adapters on top use);
-            defaults to ``dtype`` or bf16.
+        compute_dtype: dtype of the activations this layer normally sees (the dtype ``weight`` reports, which LoRA
+            adapters on top are created in); defaults to ``dtype`` or bf16. Module casts (``model.to(dtype)``)
+            update it.
 
-    The quantised tensors are frozen ``nn.Parameter`` s (PEFT requires a layer to own a parameter), typed as in
-    compressed-tensors checkpoints: ``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn
-    ``[out, in/16]``, ``weight_global_scale`` float32 ``[1]``. Module casts such as ``model.to(torch.bfloat16)``
-    move them between devices but never change their dtype.
+    The quantised tensors are frozen ``nn.Parameter`` s, typed as in compressed-tensors checkpoints:
+    ``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn ``[out, in/16]``,
+    ``weight_global_scale`` float32 ``[1]``. Module casts such as ``model.to(torch.bfloat16)`` move them between
+    devices but never change their dtype. ``weight`` is a `NVFP4WeightHandle` (see the module docstring); while a
+    quantise-on-load placeholder holds its 16-bit checkpoint weight, ``weight`` is that parameter.
     """
 
     def __init__(
@@ -146,10 +248,10 @@ class NVFP4Linear(nn.Module):
         dtype: torch.dtype | None = None,
         compute_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate the dense weight
         if in_features % GROUP_SIZE != 0:
             raise ValueError(
-                f"NVFP4Linear needs in_features to be a multiple of {GROUP_SIZE}, got {in_features}; keep this "
+                f"NVFP4A16Linear needs in_features to be a multiple of {GROUP_SIZE}, got {in_features}; keep this "
                 "layer in 16-bit."
             )
         self.in_features = in_features
@@ -165,11 +267,35 @@ class NVFP4Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        dense = self._parameters.get("weight")
+        if dense is not None:  # a quantise-on-load placeholder, until its checkpoint weight is quantised
+            return dense
+        return NVFP4WeightHandle(self.quantized_weight, self.compute_dtype)
+
+    @weight.setter
+    def weight(self, value) -> None:
+        # nn.Module.__setattr__ registers Parameters itself (see `register_parameter`); anything else lands here.
+        raise NVFP4WeightError(
+            f"NVFP4A16Linear.weight cannot be assigned a {type(value).__name__}: the layer's weight is its packed "
+            f"tensors (use `load_quantized`). {MERGE_REFUSAL}"
+        )
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        # `weight` is a property, so nn.Module would refuse a parameter of that name ("attribute already exists");
+        # the quantise-on-load placeholder needs one for the 16-bit checkpoint weight.
+        if name == "weight":
+            self._parameters.setdefault("weight", None)
+        super().register_parameter(name, param)
+
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, global_scale: torch.Tensor | None = None, name: str = "linear"
-    ) -> NVFP4Linear:
+    ) -> NVFP4A16Linear:
         """Quantise an `nn.Linear` (RTN); ``global_scale`` lets q/k/v or gate/up share one scale."""
+        if isinstance(linear, NVFP4A16Linear):
+            raise TypeError(f"{name} is already an NVFP4A16Linear.")
         layer = cls(
             linear.in_features,
             linear.out_features,
@@ -195,20 +321,26 @@ class NVFP4Linear(nn.Module):
     def quantized_weight(self) -> NVFP4Weight:
         return NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale)
 
-    def dequantize_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Dense ``[out, in]`` weight (a new tensor; the layer keeps only its packed form)."""
-        return dequantize(*self.quantized_weight, dtype=dtype)
+    def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dense ``[out, in]`` weight in ``dtype`` (default: the compute dtype); a new tensor, the layer keeps only
+        its packed form."""
+        return dequantize(*self.quantized_weight, dtype=dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
-                f"NVFP4Linear expected inputs with last dimension {self.in_features}, got shape {tuple(x.shape)}."
+                f"NVFP4A16Linear expected inputs with last dimension {self.in_features}, got shape {tuple(x.shape)}."
             )
         return nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
 
+    def reset_parameters(self) -> None:
+        # nn.Linear's would initialise a dense weight; the packed tensors are loaded, never initialised.
+        return None
+
     def _apply(self, fn, recurse=True):
         # Apply `fn` to the quantised tensors through same-width integer views, so that dtype casts
-        # (`model.to(torch.bfloat16)`, `.half()`) cannot touch them while device moves still do.
+        # (`model.to(torch.bfloat16)`, `.half()`) cannot touch them while device moves still do. A floating-point
+        # cast moves the compute dtype along (what `weight` reports, and what LoRA adapters are created in).
         order = list(self._parameters)
         quantized = {name: self._parameters.pop(name) for name in order if name in QUANTIZED_TENSOR_NAMES}
         try:
@@ -219,14 +351,27 @@ class NVFP4Linear(nn.Module):
                     quantized[name] = _apply_keeping_dtype(fn, param)
             others = self._parameters
             self._parameters = {name: quantized[name] if name in quantized else others[name] for name in order}
+        self.compute_dtype = _cast_dtype(fn, self.compute_dtype)
         return self
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"compute_dtype={self.compute_dtype}"
+        )
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+def _cast_dtype(fn, dtype: torch.dtype) -> torch.dtype:
+    """The floating-point dtype ``fn`` (an ``nn.Module._apply`` function) casts ``dtype`` to."""
+    try:
+        probe = fn(torch.empty(0, dtype=dtype))
+    except (RuntimeError, TypeError):  # e.g. a function that only accepts the module's own tensors
+        return dtype
+    return probe.dtype if isinstance(probe, torch.Tensor) and probe.is_floating_point() else dtype
 
 
 def _apply_keeping_dtype(fn, param: nn.Parameter) -> nn.Parameter:
@@ -253,6 +398,22 @@ def exclude_packed_tensors_from_ddp(model: nn.Module) -> list[str]:
     return names
 
 
-def nvfp4_modules(model: nn.Module) -> dict[str, NVFP4Linear]:
-    """All `NVFP4Linear` layers of ``model`` by qualified name."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, NVFP4Linear)}
+def nvfp4_modules(model: nn.Module) -> dict[str, NVFP4A16Linear]:
+    """All `NVFP4A16Linear` layers of ``model`` by qualified name."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, NVFP4A16Linear)}
+
+
+_DEPRECATED_NAMES = {"NVFP4Linear": "NVFP4A16Linear"}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED_NAMES:
+        new = _DEPRECATED_NAMES[name]
+        warnings.warn(
+            f"`{name}` is deprecated and will be removed in the next release; use `{new}` (transformers has its own, "
+            f"unrelated `{name}`).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
