@@ -1,7 +1,7 @@
 """Quantise-on-load benchmark: model size, peak device memory while loading, and weight error.
 
 Writes a random-weight 16-bit checkpoint at real Qwen2.5 shapes (one safetensors shard per decoder layer),
-loads it with ``quantization_config=NVFP4Config()`` onto the device, and reports:
+loads it with ``quantization_config=NVFP4A16Config()`` onto the device, and reports:
 
 * model-weight bytes after NVFP4 quantisation versus the same model in bf16 (paper: 7B 15.2 GB -> 5.9 GB);
 * peak device memory during the load versus the final quantised size (goal: <= 1.2x);
@@ -25,7 +25,7 @@ import torch
 from model_shapes import NAMES, WEIGHT_STD, qwen25_config, random_tensor, write_checkpoint
 from transformers import AutoModelForCausalLM
 
-from trl_qerl import NVFP4Config, NVFP4Linear
+from trl_qerl import NVFP4A16Config, NVFP4A16Linear
 from trl_qerl.nvfp4.format import relative_error
 
 
@@ -59,7 +59,7 @@ def main() -> None:
         baseline = torch.cuda.memory_allocated()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        workdir, quantization_config=NVFP4Config(), dtype=torch.bfloat16, device_map=args.device
+        workdir, quantization_config=NVFP4A16Config(), dtype=torch.bfloat16, device_map=args.device
     )
     load_seconds = time.perf_counter() - start
     final_bytes = model_bytes(model)
@@ -68,7 +68,7 @@ def main() -> None:
 
     errors, sq_err, sq_ref = [], 0.0, 0.0
     for name, layer in model.named_modules():
-        if isinstance(layer, NVFP4Linear):
+        if isinstance(layer, NVFP4A16Linear):
             original = random_tensor(f"{name}.weight", (layer.out_features, layer.in_features), args.device).float()
             dense = layer.dequantize_weight(torch.float32)
             errors.append(relative_error(original, dense))

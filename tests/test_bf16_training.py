@@ -16,7 +16,7 @@ from trl_qerl.data import tiny_arithmetic_dataset
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.noise import NormNoise
 from trl_qerl.norms import active_module
-from trl_qerl.nvfp4.linear import NVFP4Linear
+from trl_qerl.nvfp4.linear import NVFP4A16Linear
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rewards import completion_text
 from trl_qerl.trainer import QeRLGRPOTrainer
@@ -57,7 +57,7 @@ def test_trainable_weights_are_fp32_masters_that_move_at_lr_1e_5(checkpoint, tmp
     trainer = _trainer(checkpoint, tmp_path, quantization)
     trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all(p.dtype == torch.float32 for p in trainable.values())
-    assert any(isinstance(m, NVFP4Linear) for m in trainer.model.modules()) == (quantization == "nvfp4")
+    assert any(isinstance(m, NVFP4A16Linear) for m in trainer.model.modules()) == (quantization == "nvfp4")
     assert trainer.model.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16  # the model stays bf16
     before = {n: p.detach().clone() for n, p in trainable.items()}
     trainer.train()
@@ -75,7 +75,7 @@ def test_norm_output_stays_in_the_activation_dtype_and_nvfp4_layers_see_bf16():
     NormNoise(model, seed=0)  # upcasts the AQN norms to fp32 masters
     seen = set()
     hooks = [m.register_forward_pre_hook(lambda m, a: seen.add(a[0].dtype)) for m in model.modules()
-             if isinstance(m, NVFP4Linear)]  # fmt: skip
+             if isinstance(m, NVFP4A16Linear)]  # fmt: skip
     with torch.no_grad():
         logits = model(random_tokens()).logits
     for hook in hooks:

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from trl_qerl.nvfp4 import kernels as K  # noqa: E402
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error  # noqa: E402
-from trl_qerl.nvfp4.linear import NVFP4Linear, kernels_for  # noqa: E402
+from trl_qerl.nvfp4.linear import NVFP4A16Linear, kernels_for  # noqa: E402
 
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -210,7 +210,7 @@ def test_grad_input_matches_reference(m):
 
 @needs_cuda
 def test_linear_layer_uses_triton_on_cuda_and_trains():
-    layer = NVFP4Linear.from_linear(torch.nn.Linear(512, 384).cuda()).to(torch.bfloat16)
+    layer = NVFP4A16Linear.from_linear(torch.nn.Linear(512, 384).cuda()).to(torch.bfloat16)
     assert kernels_for(torch.device("cuda")).name == "triton"
     x = torch.randn(4, 7, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out = layer(x)
@@ -226,7 +226,7 @@ def _mlp():
     torch.manual_seed(0)
     dense = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 512))
     return torch.nn.Sequential(
-        NVFP4Linear.from_linear(dense[0]), dense[1], NVFP4Linear.from_linear(dense[2])
+        NVFP4A16Linear.from_linear(dense[0]), dense[1], NVFP4A16Linear.from_linear(dense[2])
     ).cuda().to(torch.bfloat16)
 
 

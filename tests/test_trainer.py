@@ -13,7 +13,7 @@ from peft import PeftModel
 from trl_qerl.config import QeRLConfig
 from trl_qerl.data import tiny_arithmetic_dataset
 from trl_qerl.lora import LoraNVFP4Linear
-from trl_qerl.nvfp4.linear import NVFP4Linear
+from trl_qerl.nvfp4.linear import NVFP4A16Linear
 from trl_qerl.rewards import accuracy_reward, completion_text, format_reward
 from trl_qerl.trainer import QeRLGRPOTrainer
 
@@ -59,7 +59,7 @@ def test_trains_in_every_mode_and_loss(checkpoint, dataset, tmp_path, quantizati
     assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)
     if quantization == "none":
         assert not isinstance(trainer.model, PeftModel) and len(changed) > 10
-        assert not any(isinstance(m, NVFP4Linear) for m in trainer.model.modules())
+        assert not any(isinstance(m, NVFP4A16Linear) for m in trainer.model.modules())
     else:
         assert isinstance(trainer.model, PeftModel) and any("lora_B" in n for n in changed)
         lora_layers = [m for m in trainer.model.modules() if isinstance(m, LoraNVFP4Linear)]

@@ -20,7 +20,7 @@ from transformers import Trainer, TrainingArguments
 from trl_qerl.config import QeRLConfig
 from trl_qerl.data import tiny_arithmetic_dataset
 from trl_qerl.noise import AQNCallback, NoiseSchedule, NormNoise
-from trl_qerl.nvfp4.linear import NVFP4Linear
+from trl_qerl.nvfp4.linear import NVFP4A16Linear
 from trl_qerl.rewards import completion_text
 from trl_qerl.rollout import FastRollout, _unsupported
 from trl_qerl.trainer import QeRLGRPOTrainer, _guard_reward, _refuse_sharded_parameters, load_policy
@@ -83,7 +83,7 @@ def test_peft_model_keeps_its_adapters_when_the_base_is_quantised(tmp_path):
     model = load_policy(model, _args(tmp_path, quantization="nvfp4"))
     assert {n: p.shape for n, p in model.named_parameters() if p.requires_grad} == trainable
     layer = model.base_model.model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj.base_layer, NVFP4Linear)  # the base layer is quantised
+    assert isinstance(layer.self_attn.q_proj.base_layer, NVFP4A16Linear)  # the base layer is quantised
     assert type(layer.self_attn.q_proj.lora_A["default"]) is torch.nn.Linear  # its adapter is not
     assert type(model.base_model.model.lm_head.modules_to_save["default"]) is torch.nn.Linear
     assert model.get_base_model().is_quantized

@@ -52,13 +52,11 @@ PRIVATE_HOOKS = (
     PrivateHook("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
                 "trainer.QeRLGRPOTrainer overrides it (fp32 masters after resume)", "transformers 5.17, 5.24"),
     PrivateHook("transformers.quantizers:HfQuantizer", "_process_model_before_weight_loading", ("model",),
-                "quantizer.NVFP4HfQuantizer overrides it (module replacement)", "transformers 5.17, 5.24"),
+                "quantizer.NVFP4A16HfQuantizer overrides it (module replacement)", "transformers 5.17, 5.24"),
     PrivateHook("transformers.quantizers:HfQuantizer", "_process_model_after_weight_loading", ("model",),
-                "quantizer.NVFP4HfQuantizer overrides it", "transformers 5.17, 5.24"),
+                "quantizer.NVFP4A16HfQuantizer overrides it", "transformers 5.17, 5.24"),
     PrivateHook("peft:LoraConfig", "_register_custom_module", ("mapping",),
-                "lora.register_nvfp4_lora calls it (LoRA on NVFP4Linear)", "peft 0.21.0, 0.21.2"),
-    PrivateHook("peft.tuners.lora.layer:LoraLayer", "_get_base_layer_device_and_dtype", ("base_layer",),
-                "lora.LoraNVFP4Linear overrides it (packed base weights)", "peft 0.21.0, 0.21.2"),
+                "lora.register_nvfp4_lora calls it (LoRA on NVFP4A16Linear in the activation dtype)", "peft 0.21.0, 0.21.2"),
 )  # fmt: skip
 
 

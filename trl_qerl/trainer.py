@@ -44,7 +44,7 @@ from .checkpoints import CheckpointMarker, check_base_fingerprint, last_complete
 from .noise import AQNCallback
 from .norms import keep_fp32_trainable_norms
 from .nvfp4.linear import exclude_packed_tensors_from_ddp
-from .quantizer import QUANT_METHOD, NVFP4Config, quantize_model
+from .quantizer import QUANT_METHOD, NVFP4A16Config, quantize_model
 from .rollout import make_rollout_backend
 
 
@@ -94,7 +94,7 @@ def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) ->
         _check_checkpoint_matches_mode(str(model), mode, args.trust_remote_code)
         kwargs = _model_init_kwargs(args)
         if mode == "nvfp4":
-            config = NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert)
+            config = NVFP4A16Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert)
             return load_nvfp4(str(model), quantization_config=config, **kwargs)
         if mode == "nf4":
             kwargs["quantization_config"] = _bnb_nf4_config()
@@ -104,7 +104,7 @@ def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) ->
     method = getattr(base, "quantization_method", None) if getattr(base, "is_quantized", False) else None
     if mode == "nvfp4":
         if method is None:  # a PeftModel keeps its adapters in 16-bit: only the base's own layers are quantised
-            quantize_model(base, NVFP4Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert))
+            quantize_model(base, NVFP4A16Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert))
             return model
         if method != QUANT_METHOD:
             raise ValueError(f"quantization='nvfp4' but the model is quantised with {method!r}; pass a 16-bit model.")

@@ -1,6 +1,6 @@
 """Triton NVFP4 kernels for CUDA (Hopper first), registered as `torch.library` custom ops.
 
-Importing this module registers them as the CUDA kernels of `NVFP4Linear` (see `linear.register_kernels`);
+Importing this module registers them as the CUDA kernels of `NVFP4A16Linear` (see `linear.register_kernels`);
 `linear.kernels_for` imports it the first time CUDA activations reach an NVFP4 layer.
 
 Kernels:
