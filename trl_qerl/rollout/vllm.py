@@ -6,6 +6,9 @@ matrices (to tmpfs when there is one) and switches vLLM to them under a new `LoR
 previous one; before every rollout batch it copies the current RMSNorm weights into vLLM's model. Those are
 the trained norms plus the AQN noise drawn for this batch: the trainer perturbs its own model around
 generation, and the clean weights stay on the training side, so noise never accumulates in vLLM.
+The norms that receive noise or training hold fp32 weights in vLLM too, given to them when vLLM loads the model
+(`trl_qerl.rollout.vllm_norms`): the noisy weight stays fp32 and the norm's product is rounded to the activation
+dtype once, as in the trainer.
 
 The engine runs in this process (colocate) or behind ``trl-qerl vllm-serve`` (`trl_qerl.rollout.vllm_server`),
 which `VLLMServerClient` talks to with the same three calls: ``load_adapter``, ``set_norms``, ``generate``.
@@ -16,8 +19,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,6 +37,7 @@ from .vllm_checkpoint import (
     save_vllm_adapter,
     tmpfs_dir,
 )
+from .vllm_norms import DEFAULT_FP32_NORMS, fp32_norm_names, loader_options, matches, register_loader
 
 
 if TYPE_CHECKING:
@@ -90,6 +96,8 @@ class VLLMEngine:
         checkpoint: directory of the base checkpoint (compressed-tensors NVFP4 or 16-bit).
         max_lora_rank: vLLM's ``max_lora_rank`` (see `choose_max_lora_rank`).
         enable_sleep_mode: offload the weights to CPU between rollouts (sleep level 1: weights kept, KV freed).
+        fp32_norms: the RMSNorms vLLM holds in fp32 (module names or dotted suffixes; empty for none): those that
+            receive AQN noise or are trained. Set when the model loads (see `trl_qerl.rollout.vllm_norms`).
         **engine_kwargs: passed to ``vllm.LLM`` (``dtype``, ``gpu_memory_utilization``, ``max_model_len``, ...).
     """
 
@@ -98,9 +106,13 @@ class VLLMEngine:
         checkpoint: str | os.PathLike,
         max_lora_rank: int,
         enable_sleep_mode: bool = False,
+        fp32_norms: Sequence[str] = DEFAULT_FP32_NORMS,
         **engine_kwargs: Any,
     ) -> None:
         require_vllm()
+        if fp32_norms:
+            register_loader()
+            engine_kwargs.update(loader_options(fp32_norms, engine_kwargs))
         # The engine core in this process starts in seconds and shares the GPU with training without a second
         # CUDA context; the norms go through a worker extension either way, so nothing is pickled.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -144,6 +156,11 @@ class VLLMEngine:
         norms (another noise draw) would be reused for the same prompt, so the cache is emptied after each write.
         """
         self.wake_up()
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
+            # an engine core in another process decodes tensor arguments of a utility call as lists: send bytes
+            from safetensors.torch import save
+
+            values = save({name: value.detach().cpu().contiguous() for name, value in values.items()})
         self.llm.collective_rpc("qerl_set_norms", args=(values,))
         if self.llm.reset_prefix_cache() is False:  # vLLM refuses while requests are running
             raise RuntimeError("vLLM did not empty its prefix cache after the norm update; is a generate running?")
@@ -181,23 +198,46 @@ class NormWriter:
     """vLLM worker extension (``worker_extension_cls``): methods callable by name through ``LLM.collective_rpc``,
     with tensor arguments only, so no code is ever serialised."""
 
-    def qerl_set_norms(self, values: dict[str, torch.Tensor]) -> int:
+    def qerl_set_norms(self, values: dict[str, torch.Tensor] | bytes) -> int:
+        if isinstance(values, bytes):  # safetensors, from an engine core in another process
+            from safetensors.torch import load
+
+            values = load(values)
         return copy_parameters(self.get_model(), values)
 
 
 def copy_parameters(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> int:
-    """Overwrite named parameters of ``model`` in place (shapes checked); returns how many were written."""
+    """Overwrite named parameters of ``model`` in place (shapes checked); returns how many were written.
+
+    In place, into the same storage: compiled code and captured CUDA graphs see the new values. An fp32 value
+    written into a lower-precision parameter that cannot hold it (a norm not loaded in fp32) is logged, once per name.
+    """
     parameters = dict(model.named_parameters())
     missing = sorted(set(values) - set(parameters))
     if missing:
         raise KeyError(f"vLLM's model has no parameters named {missing[:4]}{' ...' if len(missing) > 4 else ''}.")
+    rounded = []
     with torch.no_grad():
         for name, value in values.items():
             target = parameters[name]
             if target.shape != value.shape:
                 raise ValueError(f"{name}: vLLM holds shape {tuple(target.shape)}, got {tuple(value.shape)}.")
-            target.copy_(value.to(device=target.device, dtype=target.dtype))
+            cast = value.to(device=target.device, dtype=target.dtype)
+            narrowed = value.dtype == torch.float32 and target.dtype != torch.float32 and name not in _ROUNDED_WARNED
+            if narrowed and not torch.equal(cast.float(), value.to(cast.device)):
+                rounded.append(name)
+            target.copy_(cast)
+    if rounded:
+        _ROUNDED_WARNED.update(rounded)
+        logger.warning(
+            "vLLM holds %d norm weights in %s, which rounds the fp32 values sent (AQN noise below its precision "
+            "vanishes): %s. Load them in fp32 (VLLMEngine fp32_norms / vllm-serve --fp32-norms).",
+            len(rounded), parameters[rounded[0]].dtype, rounded[:4],
+        )  # fmt: skip
     return len(values)
+
+
+_ROUNDED_WARNED: set[str] = set()
 
 
 def sampling_options(trainer: GRPOTrainer) -> dict[str, Any]:
@@ -303,6 +343,7 @@ def make_vllm_rollout(trainer: GRPOTrainer) -> VLLMRollout:
             "The vLLM backend serves LoRA adapters; full fine-tuning (quantization='none') cannot use it."
         )
     rank = lora_rank(model, model.active_adapter)
+    fp32_norms = fp32_norm_names(norm_state(model))  # the norms trained or perturbed: fp32 in vLLM too
     if args.vllm_mode == "server":  # the server checks its own shapes and tensor parallelism when it starts
         from .vllm_server import VLLMServerClient
 
@@ -315,6 +356,7 @@ def make_vllm_rollout(trainer: GRPOTrainer) -> VLLMRollout:
                 f"The rollout server serves a {served!r} base but training uses quantization={args.quantization!r}; "
                 "start the server on the checkpoint you train (e.g. the output of `trl-qerl quantize`)."
             )
+        check_server_norms(client.info(), fp32_norms)
         return VLLMRollout(trainer, client, client.adapter_dir(), shared=True)
     if args.vllm_mode != "colocate":
         raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {args.vllm_mode!r}.")
@@ -330,11 +372,27 @@ def make_vllm_rollout(trainer: GRPOTrainer) -> VLLMRollout:
         checkpoint,
         max_lora_rank=choose_max_lora_rank(rank, args.vllm_max_lora_rank),
         enable_sleep_mode=args.vllm_enable_sleep_mode,
+        fp32_norms=fp32_norms,
         **engine_options(trainer),
     )
     rollout = VLLMRollout(trainer, engine, adapters)
     weakref.finalize(rollout, shutil.rmtree, adapters, True)
     return rollout
+
+
+def check_server_norms(info: dict[str, Any], fp32_norms: Sequence[str]) -> list[str]:
+    """Warn (and return them) about norms the trainer sends in fp32 that a 16-bit rollout server holds in 16 bits."""
+    if info.get("dtype") in ("float32", "float", "fp32"):
+        return []
+    held = info.get("fp32_norms") or ()
+    missing = [name for name in fp32_norms if not matches(name, held)]
+    if missing:
+        logger.warning(
+            "The rollout server holds %d of the norms that receive AQN noise or training in %s, not fp32 (noise below "
+            "its precision vanishes there): %s. Start it with --fp32-norms covering them.",
+            len(missing), info.get("dtype", "16-bit"), missing[:4],
+        )  # fmt: skip
+    return missing
 
 
 def engine_options(trainer: GRPOTrainer) -> dict[str, Any]:
@@ -365,3 +423,9 @@ def _base_checkpoint(trainer: GRPOTrainer, model) -> Path:
         weakref.finalize(trainer, shutil.rmtree, target, True)
     logger.info("Writing the base checkpoint for vLLM to %s", target)
     return save_base_checkpoint(model, target)
+
+
+# vLLM's worker imports this module (the worker extension) before it loads the model, in whichever process it runs:
+# register the fp32-norm load format there. Elsewhere (vLLM not imported yet) `VLLMEngine` registers it.
+if sys.modules.get("vllm") is not None:
+    register_loader()

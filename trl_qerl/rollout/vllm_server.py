@@ -5,7 +5,8 @@ It runs one `VLLMEngine` and answers five requests over HTTP, JSON or raw safete
 * ``GET /health``, ``GET /info`` (model, LoRA limit, adapter directory, quantisation);
 * ``POST /adapter`` ``{"name": ...}``: serve the adapter ``<adapter-dir>/<name>`` from now on (only names of
   directories directly inside the adapter directory the server was started with are accepted);
-* ``POST /norms`` (safetensors bytes): write RMSNorm weights (trained values + AQN noise) into vLLM's model;
+* ``POST /norms`` (safetensors bytes): write RMSNorm weights (trained values + AQN noise) into vLLM's model (the
+  norms named by ``--fp32-norms`` are held in fp32 from load on, so noise below bf16's precision survives);
 * ``POST /generate`` ``{"prompt_ids": [[...]], "sampling": {...}}``: completions and their sampled log-probs.
 
 It binds to 127.0.0.1 unless ``--host`` says otherwise. `VLLMServerClient` is the trainer's side.
@@ -29,6 +30,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from .vllm_checkpoint import VLLM_LORA_RANKS, check_vllm_shapes, choose_max_lora_rank
+from .vllm_norms import DEFAULT_FP32_NORMS
 
 
 logger = logging.getLogger(__name__)
@@ -242,7 +244,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the engine is sharded over.")
     parser.add_argument("--enforce-eager", action="store_true", help="Disable CUDA graphs (slower; for debugging).")
     parser.add_argument("--seed", type=int, default=0, help="Sampling seed.")
+    parser.add_argument(
+        "--fp32-norms",
+        type=_norm_list,
+        default=DEFAULT_FP32_NORMS,
+        help="Comma-separated RMSNorms held in fp32 so that small AQN noise survives (module names or suffixes; "
+        f"'none' for none). Default: {','.join(DEFAULT_FP32_NORMS)} (the norms QeRL trains and perturbs).",
+    )
     return parser.parse_args(argv)
+
+
+def _norm_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    return () if names in ((), ("none",)) else names
 
 
 def serve(argv: Sequence[str] | None = None) -> int:
@@ -270,12 +284,15 @@ def serve(argv: Sequence[str] | None = None) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        fp32_norms=args.fp32_norms,
     )
     info = {
         "model": str(args.model),
         "quantization": "nvfp4" if quantized else "none",
         "max_lora_rank": args.max_lora_rank,
         "vllm_version": str(version),
+        "dtype": args.dtype,
+        "fp32_norms": list(args.fp32_norms),
     }
     server = make_server(RolloutService(engine, adapter_dir, info), args.host, args.port)
     print(f"trl-qerl vllm-serve: {args.model} on http://{args.host}:{server.server_port}, adapters from {adapter_dir}",
