@@ -31,20 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import PartialState
 from peft import PeftConfig, PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, set_seed
+from transformers import AutoTokenizer, PreTrainedModel, set_seed
 from trl import GRPOTrainer
 
 from ._compat import check_private_hooks
 from .config import QeRLConfig
-from .loading import from_pretrained as load_nvfp4
+from .loading import load_policy
 from .lora import get_peft_model, nvfp4_lora_config, register_nvfp4_lora
 from .checkpoints import CheckpointMarker, check_base_fingerprint, last_complete_checkpoint, write_base_fingerprint
 from .noise import AQNCallback
 from .norms import keep_fp32_trainable_norms
 from .nvfp4.linear import exclude_packed_tensors_from_ddp
-from .quantizer import QUANT_METHOD, NVFP4A16Config, quantize_model
 from .rollout import make_rollout_backend
 
 
@@ -59,81 +57,6 @@ QERL_CITATION = """\
     journal = {arXiv preprint arXiv:2510.11696},
     year    = {2025}
 }"""
-
-
-def _model_init_kwargs(args: QeRLConfig) -> dict[str, Any]:
-    kwargs = dict(args.model_init_kwargs or {})
-    kwargs.setdefault("dtype", torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32)
-    if "device_map" not in kwargs and torch.cuda.is_available() and not args.use_cpu:
-        kwargs["device_map"] = {"": PartialState().local_process_index}  # quantise on the device, one rank per GPU
-    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    return kwargs
-
-
-def _bnb_nf4_config():
-    if not torch.cuda.is_available():
-        raise ValueError("quantization='nf4' (the QLoRA baseline) needs a CUDA GPU: bitsandbytes NF4 has no CPU kernels.")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as error:
-        raise ImportError("quantization='nf4' needs bitsandbytes: pip install bitsandbytes") from error
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_compute_dtype=torch.bfloat16,
-        bnb_4bit_use_double_quant=True,
-    )
-
-
-def load_policy(model: str | os.PathLike | PreTrainedModel, args: QeRLConfig) -> PreTrainedModel:
-    """The base model for ``args.quantization``: loaded from a path/id, or checked/quantised if given as an instance."""
-    mode = args.quantization
-    if isinstance(model, (str, os.PathLike)):
-        _check_checkpoint_matches_mode(str(model), mode, args.trust_remote_code)
-        kwargs = _model_init_kwargs(args)
-        if mode == "nvfp4":
-            config = NVFP4A16Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert)
-            return load_nvfp4(str(model), quantization_config=config, **kwargs)
-        if mode == "nf4":
-            kwargs["quantization_config"] = _bnb_nf4_config()
-        return AutoModelForCausalLM.from_pretrained(str(model), **kwargs)
-
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
-    method = getattr(base, "quantization_method", None) if getattr(base, "is_quantized", False) else None
-    if mode == "nvfp4":
-        if method is None:  # a PeftModel keeps its adapters in 16-bit: only the base's own layers are quantised
-            quantize_model(base, NVFP4A16Config(modules_to_not_convert=args.nvfp4_modules_to_not_convert))
-            return model
-        if method != QUANT_METHOD:
-            raise ValueError(f"quantization='nvfp4' but the model is quantised with {method!r}; pass a 16-bit model.")
-        return model
-    if mode == "nf4":
-        if not getattr(base, "is_loaded_in_4bit", False):
-            raise ValueError("quantization='nf4' needs a model loaded with bitsandbytes 4-bit (or pass a model id).")
-        return model
-    if method is not None:
-        raise ValueError(f"quantization={mode!r} needs a 16-bit model, but this one is quantised with {method!r}.")
-    return model
-
-
-def _check_checkpoint_matches_mode(path: str, mode: str, trust_remote_code: bool) -> None:
-    """A quantised checkpoint cannot serve a 16-bit mode (LoRA baseline, full fine-tuning): say so up front."""
-    if mode == "nvfp4":
-        return
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is None:
-        return
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
-    if mode in ("bf16", "none") or (mode == "nf4" and method != "bitsandbytes"):
-        raise ValueError(
-            f"{path} is a quantised checkpoint ({method}), but quantization={mode!r} needs the 16-bit weights. Pass "
-            "the 16-bit model it was made from, or use quantization='nvfp4' to train on this checkpoint."
-        )
 
 
 def _reward_error(func: Callable, error: Exception) -> RuntimeError:
