@@ -1,7 +1,7 @@
 """Triton NVFP4 kernels for CUDA (Hopper first), registered as `torch.library` custom ops.
 
-Importing this module registers them as the CUDA kernels of `NVFP4A16Linear` (see `linear.register_kernels`);
-`linear.kernels_for` imports it the first time CUDA activations reach an NVFP4 layer.
+A leaf: `trl_qerl.nvfp4.dispatch` imports it the first time CUDA activations reach an NVFP4 layer and registers
+``nvfp4_linear_op`` / ``nvfp4_grad_input_op`` as the CUDA kernels of `NVFP4A16Linear`.
 
 Kernels:
 
@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from .format import dequantize
-from .linear import NVFP4Kernels, register_kernels
 
 
 logger = logging.getLogger(__name__)
@@ -709,6 +708,10 @@ def _fused(x, weight_packed, weight_scale, weight_global_scale):
     return guarded("matmul", x.device, x.dtype, launch, fallback)
 
 
+KERNELS_NAME = "triton"
+"""How the CUDA kernels are named in logs and benchmarks."""
+
+
 @torch.library.custom_op("trl_qerl::nvfp4_linear", mutates_args=())
 def nvfp4_linear_op(
     x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor
@@ -757,17 +760,10 @@ def _(weight_packed, weight_scale, weight_global_scale, dtype):
     return weight_packed.new_empty(weight_packed.shape[0], weight_packed.shape[1] * 2, dtype=dtype)
 
 
-CUDA_KERNELS = NVFP4Kernels(
-    linear=torch.ops.trl_qerl.nvfp4_linear,
-    grad_input=torch.ops.trl_qerl.nvfp4_grad_input,
-    name="triton",
-)
-register_kernels("cuda", CUDA_KERNELS)
 
 __all__ = [
     "AMPERE",
     "CHOOSER",
-    "CUDA_KERNELS",
     "DEQUANT_CUBLAS",
     "HOPPER",
     "TURING",

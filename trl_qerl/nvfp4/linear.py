@@ -30,20 +30,19 @@ computes the NVFP4 product; transformers' weight initialisation skips it; every 
 DoRA/PiSSA/LoftQ initialisations, in-place edits) raises `NVFP4WeightError`, which points at
 ``trl_qerl.merge_and_export``: merging LoRA into 4-bit weights rounds the update away.
 
-Matrix products go through a small per-device kernel registry: the pure-torch reference (dequantise, then
-`F.linear`) serves every device; `trl_qerl.nvfp4.kernels` registers fused Triton kernels for CUDA.
+Matrix products go through the per-device kernel registry in `trl_qerl.nvfp4.dispatch`: the pure-torch reference
+(dequantise, then `F.linear`) serves every device; the fused Triton kernels of `trl_qerl.nvfp4.kernels` serve CUDA.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dispatch import kernels_for
 from .format import GROUP_SIZE, NVFP4Weight, check_packed, dequantize, quantize
 
 
@@ -53,8 +52,6 @@ QUANTIZED_TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_global_scale"
 # fp8 scales or the fp32 global scale to bf16 would silently corrupt them. Viewing them as integers while
 # the cast runs lets device moves through and keeps the bits.
 _BIT_VIEW_DTYPE = {torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
-
-LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 MERGE_REFUSAL = (
     "Merging a LoRA adapter into NVFP4 weights would dequantise, add and requantise, rounding away every update "
@@ -67,55 +64,6 @@ MERGE_REFUSAL = (
 class NVFP4WeightError(ValueError):
     """Dense arithmetic on the packed weight of an NVFP4 layer (a LoRA merge, an initialisation from the base
     weight, an in-place edit) was refused."""
-
-
-@dataclass(frozen=True)
-class NVFP4Kernels:
-    """The two products an NVFP4 layer needs, for activations ``x[M, in]`` and the weight ``W[out, in]``.
-
-    Attributes:
-        linear: ``(x, weight_packed, weight_scale, weight_global_scale) -> x @ W.T`` (no bias), in ``x.dtype``.
-        grad_input: ``(grad_out, weight_packed, weight_scale, weight_global_scale) -> grad_out @ W``.
-        name: shown in logs and benchmarks.
-    """
-
-    linear: LinearFn
-    grad_input: LinearFn
-    name: str
-
-
-def _reference_linear(x, weight_packed, weight_scale, weight_global_scale):
-    return F.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype))
-
-
-def _reference_grad_input(grad_out, weight_packed, weight_scale, weight_global_scale):
-    return grad_out @ dequantize(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
-
-
-REFERENCE_KERNELS = NVFP4Kernels(_reference_linear, _reference_grad_input, name="reference")
-_KERNELS_BY_DEVICE_TYPE: dict[str, NVFP4Kernels] = {}
-
-
-def register_kernels(device_type: str, kernels: NVFP4Kernels) -> None:
-    """Use ``kernels`` for activations on ``device_type`` ("cuda", "cpu", ...); replaces any earlier entry."""
-    _KERNELS_BY_DEVICE_TYPE[device_type] = kernels
-
-
-def kernels_for(device: torch.device) -> NVFP4Kernels:
-    """The kernels registered for ``device``'s type, else the pure-torch reference. (The CUDA kernels choose
-    their variant per GPU themselves, see `kernels.device_path`, so one host may mix GPU generations.)"""
-    if device.type == "cuda" and "cuda" not in _KERNELS_BY_DEVICE_TYPE:
-        _load_cuda_kernels()
-    return _KERNELS_BY_DEVICE_TYPE.get(device.type, REFERENCE_KERNELS)
-
-
-def _load_cuda_kernels() -> None:
-    # The Triton module registers itself on import; importing it only when CUDA activations first appear keeps
-    # `import trl_qerl` free of Triton and CUDA initialisation.
-    try:
-        from . import kernels  # noqa: F401
-    except ImportError:
-        register_kernels("cuda", REFERENCE_KERNELS)
 
 
 class NVFP4LinearFunction(torch.autograd.Function):

@@ -1,0 +1,71 @@
+"""Which kernels an NVFP4 layer runs on a device: a small registry keyed by device type.
+
+The pure-torch reference (dequantise, then `F.linear`) serves every device; the Triton kernels in
+`trl_qerl.nvfp4.kernels` are registered for CUDA the first time CUDA activations reach an NVFP4 layer (they pick
+their variant per GPU themselves, see `kernels.device_path`). Lower than `linear.py`, which asks `kernels_for`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .format import dequantize
+
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class NVFP4Kernels:
+    """The two products an NVFP4 layer needs, for activations ``x[M, in]`` and the weight ``W[out, in]``.
+
+    Attributes:
+        linear: ``(x, weight_packed, weight_scale, weight_global_scale) -> x @ W.T`` (no bias), in ``x.dtype``.
+        grad_input: ``(grad_out, weight_packed, weight_scale, weight_global_scale) -> grad_out @ W``.
+        name: shown in logs and benchmarks.
+    """
+
+    linear: LinearFn
+    grad_input: LinearFn
+    name: str
+
+
+def _reference_linear(x, weight_packed, weight_scale, weight_global_scale):
+    return F.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype))
+
+
+def _reference_grad_input(grad_out, weight_packed, weight_scale, weight_global_scale):
+    return grad_out @ dequantize(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
+
+
+REFERENCE_KERNELS = NVFP4Kernels(_reference_linear, _reference_grad_input, name="reference")
+_KERNELS_BY_DEVICE_TYPE: dict[str, NVFP4Kernels] = {}
+
+
+def register_kernels(device_type: str, kernels: NVFP4Kernels) -> None:
+    """Use ``kernels`` for activations on ``device_type`` ("cuda", "cpu", ...); replaces any earlier entry."""
+    _KERNELS_BY_DEVICE_TYPE[device_type] = kernels
+
+
+def kernels_for(device: torch.device) -> NVFP4Kernels:
+    """The kernels registered for ``device``'s type, else the pure-torch reference. (The CUDA kernels choose
+    their variant per GPU themselves, see `kernels.device_path`, so one host may mix GPU generations.)"""
+    if device.type == "cuda" and "cuda" not in _KERNELS_BY_DEVICE_TYPE:
+        _load_cuda_kernels()
+    return _KERNELS_BY_DEVICE_TYPE.get(device.type, REFERENCE_KERNELS)
+
+
+def _load_cuda_kernels() -> None:
+    # Imported only when CUDA activations first appear, which keeps `import trl_qerl` free of Triton and CUDA
+    # initialisation. `kernels` is a leaf: it defines the custom ops and knows nothing of this registry.
+    try:
+        from . import kernels
+    except ImportError:
+        register_kernels("cuda", REFERENCE_KERNELS)
+        return
+    ops = torch.ops.trl_qerl  # the custom ops `kernels` defined (CUDA-graph and torch.compile safe)
+    register_kernels("cuda", NVFP4Kernels(ops.nvfp4_linear, ops.nvfp4_grad_input, name=kernels.KERNELS_NAME))
