@@ -1,4 +1,12 @@
-"""`QeRLConfig`: TRL's `GRPOConfig` plus quantisation, LoRA, AQN and rollout settings.
+"""`QeRLConfig`: TRL's `GRPOConfig` plus quantisation, AQN and rollout settings. `QeRLModelConfig`: TRL's
+`ModelConfig` with QeRL's LoRA defaults.
+
+LoRA settings come the TRL way: from `ModelConfig` on the command line (``--lora_r``, ``--lora_alpha``, ...; see
+`apply_model_config`), from ``peft_config=`` in Python. So a TRL script's parser works unchanged::
+
+    parser = TrlParser((ScriptArguments, QeRLConfig, ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config()
+    apply_model_config(training_args, model_args)
 
 Every TRL field still works. Defaults that differ from TRL's, following the paper and its scripts:
 
@@ -9,49 +17,155 @@ Every TRL field still works. Defaults that differ from TRL's, following the pape
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 import torch
-from trl import GRPOConfig
+from trl import GRPOConfig, ModelConfig
 
 from .noise import DEFAULT_TARGETS, SCHEDULES, NoiseSchedule
 
 
 QUANTIZATIONS = ("nvfp4", "bf16", "nf4", "none")
 ROLLOUT_BACKENDS = ("auto", "transformers", "fast", "vllm")
+# QeRL's LoRA defaults (paper's main tables: rank 32, no dropout, the seven decoder projections; alpha 2 * r).
+LORA_DEFAULTS = {"lora_r": 32, "lora_alpha": None, "lora_dropout": 0.0, "lora_target_modules": None}
 
 
 @dataclass
 class QeRLConfig(GRPOConfig):
     r"""
-    Configuration for `QeRLGRPOTrainer`: GRPO/DAPO (`trl.GRPOConfig`) on NVFP4 base weights + LoRA + Adaptive
-    Quantization Noise.
+    Configuration class for the [`QeRLGRPOTrainer`]: GRPO/DAPO ([`~trl.GRPOConfig`]) on NVFP4 base weights + LoRA +
+    Adaptive Quantization Noise (AQN). Only the parameters specific to QeRL are listed here; see
+    [`~trl.GRPOConfig`] for the others.
 
-    Parameters that control the model:
-        quantization (`str`, defaults to `"nvfp4"`): base weights: `"nvfp4"` (QeRL), `"bf16"` (16-bit LoRA
-            baseline), `"nf4"` (QLoRA baseline, bitsandbytes, CUDA only), `"none"` (full fine-tuning).
-        nvfp4_modules_to_not_convert (`list[str]`, *optional*): extra Linear layers kept in 16-bit.
+    LoRA's rank, alpha, dropout and target modules are TRL's: [`~trl.ModelConfig`] on the command line
+    ([`QeRLModelConfig`] holds QeRL's defaults; [`apply_model_config`] hands them to the trainer), or
+    `peft_config=nvfp4_lora_config(...)` in Python. Without either, the trainer uses rank 32, alpha 64, no
+    dropout, on the seven decoder projections.
 
-    Parameters that control LoRA (ignored with `quantization="none"`):
-        lora_r (`int`, defaults to `32`), lora_alpha (`int`, defaults to `2 * lora_r`), lora_dropout (`float`, defaults
-        to `0.0`), lora_target_modules (`list[str]`, *optional*: the seven decoder projections), train_norms (`bool`,
-        defaults to `True`).
+    Using [`~transformers.HfArgumentParser`] we can turn this class into
+    [argparse](https://docs.python.org/3/library/argparse#module-argparse) arguments that can be specified on the
+    command line.
 
-    Parameters that control AQN:
-        aqn_schedule (`str`, defaults to `"exponential"`), aqn_sigma_start (`float`, defaults to `1e-2`),
-        aqn_sigma_end (`float`, defaults to `1e-4`), aqn_num_stages (`int`, defaults to `10`), aqn_targets
-        (`list[str]`), aqn_apply_to_training (`bool`, defaults to `False`).
+    Parameters:
+        > Parameters whose defaults differ from TRL's
 
-    Parameters that control rollouts:
-        rollout_importance_sampling (`bool`, defaults to `False`): correct for rollouts sampled under AQN noise with
-            TRL's importance sampling (vLLM and fast backends); off as in the reference QeRL. Sets TRL's
-            ``vllm_importance_sampling_correction``.
-        rollout_backend (`str`, defaults to `"auto"`; `use_vllm=True` selects `"vllm"`), vllm_checkpoint_dir,
-        vllm_adapter_dir, vllm_max_lora_rank, vllm_enforce_eager, vllm_engine_kwargs (see the fields' help). TRL's
-        ``vllm_mode``, ``vllm_gpu_memory_utilization``, ``vllm_enable_sleep_mode``, ``vllm_max_model_length``,
-        ``vllm_server_*`` and ``vllm_importance_sampling_*`` fields apply too.
+        learning_rate (`float`, *optional*, defaults to `1e-5`):
+            Initial AdamW learning rate. Quantised models train well at about 10x the 16-bit LoRA rate (paper: 1e-5
+            to 3e-5; TRL's default: 1e-6).
+        epsilon_high (`float`, *optional*, defaults to `0.28`):
+            Upper clipping bound of the importance ratio (DAPO's clip-higher, 0.28 in DAPO and QeRL; TRL's default:
+            same as `epsilon`).
+
+        > Parameters that control the model
+
+        quantization (`str`, *optional*, defaults to `"nvfp4"`):
+            Base weights: `"nvfp4"` (QeRL: NVFP4 base + LoRA), `"bf16"` (16-bit LoRA baseline), `"nf4"` (QLoRA
+            baseline through bitsandbytes, CUDA only) or `"none"` (full fine-tuning, no LoRA).
+        nvfp4_modules_to_not_convert (`list[str]`, *optional*):
+            Extra Linear layers to keep in 16-bit when quantising: names, suffixes or `"re:"` regular expressions.
+            The output embedding always stays in 16-bit.
+
+        > Parameters that control LoRA (ignored with `quantization="none"`)
+
+        train_norms (`bool`, *optional*, defaults to `True`):
+            Also train `input_layernorm` and `post_attention_layernorm` (PEFT `modules_to_save`), as QeRL's
+            reference scripts do; AQN noise goes on top of the trained weights.
+
+        > Parameters that control AQN
+
+        aqn_schedule (`str`, *optional*, defaults to `"exponential"`):
+            How σ decays from `aqn_sigma_start` to `aqn_sigma_end` over stages 1..K-1 (stage 0 adds no noise):
+            `"exponential"` (paper eq. 8), `"linear"`, `"cosine"`, `"logarithmic"`, `"constant"`, or `"off"` to
+            disable AQN.
+        aqn_sigma_start (`float`, *optional*, defaults to `1e-2`):
+            σ of stage 1 (paper's scripts: 1e-2; its main experiments: 5e-2).
+        aqn_sigma_end (`float`, *optional*, defaults to `1e-4`):
+            σ of the last stage (paper's scripts: 1e-4; its main experiments: 5e-4).
+        aqn_num_stages (`int`, *optional*, defaults to `10`):
+            Number K of AQN stages over training: stage = `int(step // (max_steps / K))`, the reference code's float
+            interval; stage 0 is noise-free.
+        aqn_targets (`list[str]`, *optional*, defaults to `["input_layernorm", "post_attention_layernorm"]`):
+            Leaf names of the RMSNorms that receive AQN noise: those feeding q/k/v and gate/up.
+        aqn_apply_to_training (`bool`, *optional*, defaults to `False`):
+            Keep AQN noise on during the loss forward too. By default it is on during rollout generation only, as in
+            the reference implementation.
+
+        > Parameters that control rollouts
+
+        rollout_importance_sampling (`bool`, *optional*, defaults to `False`):
+            Correct the loss for rollouts sampled under AQN noise (and the rollout engine's numerics) with TRL's
+            importance sampling, on the vLLM and fast backends. Off as in the reference QeRL: the correction would
+            partly undo the exploration AQN adds. Sets TRL's `vllm_importance_sampling_correction`; TRL's
+            `vllm_importance_sampling_mode` and clip bounds apply.
+        rollout_backend (`str`, *optional*, defaults to `"auto"`):
+            Generation backend: `"auto"` (vLLM when `use_vllm=True`, else the fast CUDA-graph backend on CUDA, else
+            transformers' `generate`), `"transformers"`, `"fast"` or `"vllm"` (same as `use_vllm=True`).
+        vllm_checkpoint_dir (`str`, *optional*):
+            vLLM backend (colocate): the base checkpoint vLLM loads. A directory holding one (e.g. from `trl-qerl
+            quantize`, the model you train) is used as is; an empty one receives the base exported from the training
+            model. If `None`, a temporary directory.
+        vllm_adapter_dir (`str`, *optional*):
+            vLLM backend (colocate): where per-step adapters are written. If `None`, tmpfs (`/dev/shm`) when
+            available.
+        vllm_max_lora_rank (`int`, *optional*):
+            vLLM backend (colocate): vLLM's `max_lora_rank` (1, 8, 16, 32, 64, 128, 256, 320 or 512). If `None`, the
+            smallest one at least the LoRA rank.
+        vllm_enforce_eager (`bool`, *optional*, defaults to `False`):
+            vLLM backend (colocate): disable CUDA graphs in vLLM (slower; saves memory and start-up time).
+        vllm_engine_kwargs (`dict[str, Any]` or `str`, *optional*):
+            vLLM backend (colocate): extra keyword arguments for `vllm.LLM`, e.g. `{"max_num_batched_tokens": 8192}`;
+            a JSON string on the command line, parsed as TRL parses `model_init_kwargs`. TRL's `vllm_mode`,
+            `vllm_gpu_memory_utilization`, `vllm_enable_sleep_mode`, `vllm_max_model_length`, `vllm_server_*` and
+            `vllm_importance_sampling_*` fields apply too.
+
+        > Deprecated parameters
+
+        lora_r:
+
+            <Deprecated version="0.1.0">
+
+            Parameters `lora_r`, `lora_alpha`, `lora_dropout` and `lora_target_modules` of `QeRLConfig` are deprecated
+            and will be removed in version 0.2.0. On the command line they are [`~trl.ModelConfig`]'s (`--lora_r`,
+            ...), unchanged; in Python, pass `peft_config=nvfp4_lora_config(r=..., lora_alpha=..., lora_dropout=...,
+            target_modules=...)` to the trainer, or a `ModelConfig` to [`apply_model_config`].
+
+            </Deprecated>
+
+        lora_alpha:
+
+            <Deprecated version="0.1.0">
+
+            See `lora_r`.
+
+            </Deprecated>
+
+        lora_dropout:
+
+            <Deprecated version="0.1.0">
+
+            See `lora_r`.
+
+            </Deprecated>
+
+        lora_target_modules:
+
+            <Deprecated version="0.1.0">
+
+            See `lora_r`.
+
+            </Deprecated>
+
+    > [!NOTE]
+    > These parameters have default values different from [`~trl.GRPOConfig`]:
+    > - `learning_rate`: Defaults to `1e-5` instead of `1e-6`.
+    > - `epsilon_high`: Defaults to `0.28` instead of `None` (= `epsilon`).
+    > - `bf16`: Defaults to `False` on a machine without an accelerator, where transformers refuses bf16.
     """
+
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["vllm_engine_kwargs"]
 
     # Parameters whose defaults differ from TRL's
     learning_rate: float = field(
@@ -78,15 +192,7 @@ class QeRLConfig(GRPOConfig):
         metadata={"help": "Extra Linear layers to keep in 16-bit when quantising (names, suffixes or 're:' regex)."},
     )
 
-    # Parameters that control LoRA
-    lora_r: int = field(default=32, metadata={"help": "LoRA rank (paper's main tables: 32)."})
-    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha; defaults to 2 * lora_r."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input (paper: 0)."})
-    lora_target_modules: list[str] | None = field(
-        default=None,
-        metadata={"help": "Leaf names of the layers to adapt; default: q/k/v/o/gate/up/down projections. "
-                  "'all-linear' adapts every Linear-like layer but the output embedding."},  # fmt: skip
-    )
+    # Parameters that control LoRA (rank, alpha, dropout and targets are TRL's ModelConfig fields)
     train_norms: bool = field(
         default=True,
         metadata={"help": "Also train input_layernorm and post_attention_layernorm (as QeRL's reference scripts do); "
@@ -156,13 +262,40 @@ class QeRLConfig(GRPOConfig):
         metadata={"help": "vLLM backend (colocate): disable CUDA graphs in vLLM (slower; saves memory and start-up "
                   "time)."},  # fmt: skip
     )
-    vllm_engine_kwargs: dict | str | None = field(
+    vllm_engine_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "vLLM backend (colocate): extra keyword arguments for vllm.LLM (a JSON string on the "
-                  "command line), e.g. '{\"max_num_batched_tokens\": 8192}'."},  # fmt: skip
+        metadata={"help": "vLLM backend (colocate): extra keyword arguments for vllm.LLM, as a JSON string on the "
+                  "command line, e.g. '{\"max_num_batched_tokens\": 8192}'."},  # fmt: skip
     )
 
-    def __post_init__(self) -> None:
+    # Deprecated parameters: init-only (not dataclass fields), so that a parser over QeRLConfig and TRL's
+    # ModelConfig has one --lora_r. __post_init__ stores them as attributes the trainer reads.
+    lora_r: InitVar[int | None] = None
+    lora_alpha: InitVar[int | None] = None
+    lora_dropout: InitVar[float | None] = None
+    lora_target_modules: InitVar[str | list[str] | None] = None
+
+    def __post_init__(
+        self,
+        lora_r: int | None,
+        lora_alpha: int | None,
+        lora_dropout: float | None,
+        lora_target_modules: str | list[str] | None,
+    ) -> None:
+        given = zip(LORA_DEFAULTS, (lora_r, lora_alpha, lora_dropout, lora_target_modules), strict=True)
+        passed = {name: value for name, value in given if value is not None}
+        if passed:
+            warnings.warn(
+                f"QeRLConfig({', '.join(f'{k}={v!r}' for k, v in passed.items())}): LoRA settings in QeRLConfig are "
+                "deprecated and will be removed in trl-qerl 0.2.0. Pass them the TRL way: "
+                "`QeRLGRPOTrainer(..., peft_config=nvfp4_lora_config(r=..., lora_alpha=..., lora_dropout=..., "
+                "target_modules=...))` in Python; on the command line `--lora_r`, `--lora_alpha`, ... are TRL's "
+                "ModelConfig options and work unchanged.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        for name, default in LORA_DEFAULTS.items():
+            setattr(self, name, passed.get(name, default))
         if self.aqn_schedule is False or self.aqn_schedule == "false":  # YAML 1.1 reads a bare `off` as False
             self.aqn_schedule = "off"
         # one switch for every backend: TRL's own flag follows ours (TRL reads it on its vLLM path only)
@@ -180,20 +313,112 @@ class QeRLConfig(GRPOConfig):
                     f"The vLLM backend serves NVFP4 or 16-bit bases with LoRA; quantization={self.quantization!r} "
                     "cannot use it. Use quantization='nvfp4' or 'bf16', or rollout_backend='auto'."
                 )
-        if isinstance(self.vllm_engine_kwargs, str):
-            self.vllm_engine_kwargs = json.loads(self.vllm_engine_kwargs)
-        if self.quantization != "none" and (not isinstance(self.lora_r, int) or self.lora_r <= 0):
-            raise ValueError(f"lora_r must be a positive integer, got {self.lora_r!r}.")
+        _check_lora_rank(self.quantization, self.lora_r)
         if self.max_steps == 0:
             raise ValueError("max_steps=0 would train nothing; set max_steps > 0, or -1 to train num_train_epochs.")
         self.aqn_noise_schedule()  # validates the AQN fields
         if self.bf16 is None and not self.fp16 and not _has_accelerator():
             # TRL turns bf16 on by default, which transformers refuses on a CPU-only machine: train in fp32 there
             self.bf16 = False
-        super().__post_init__()
+        super().__post_init__()  # parses the JSON strings of _VALID_DICT_FIELDS, as for TRL's model_init_kwargs
+        if isinstance(self.vllm_engine_kwargs, str):
+            raise ValueError(
+                "vllm_engine_kwargs must be a JSON object, e.g. '{\"max_num_batched_tokens\": 8192}'; got "
+                f"{self.vllm_engine_kwargs!r}."
+            )
 
     def aqn_noise_schedule(self) -> NoiseSchedule:
         return NoiseSchedule(self.aqn_sigma_start, self.aqn_sigma_end, self.aqn_num_stages, self.aqn_schedule)
+
+
+@dataclass
+class QeRLModelConfig(ModelConfig):
+    r"""
+    TRL's [`~trl.ModelConfig`] with QeRL's defaults: what `trl-qerl train` parses next to [`QeRLConfig`]. Only the
+    parameters whose defaults differ are listed; see [`~trl.ModelConfig`] for the others. [`apply_model_config`]
+    hands the values to the trainer.
+
+    Parameters:
+        dtype (`str`, *optional*):
+            Load the model under this dtype: `"auto"`, `"bfloat16"`, `"float16"` or `"float32"`. If `None` (TRL's
+            default: `"float32"`), the dtype follows `bf16`/`fp16`: bfloat16 on GPUs, float32 on CPU.
+        use_peft (`bool`, *optional*, defaults to `True`):
+            QeRL always trains LoRA, except with `quantization="none"` (full fine-tuning); this field is not read.
+        lora_r (`int`, *optional*, defaults to `32`):
+            LoRA rank (the paper's main tables: 32; its scripts: 16).
+        lora_alpha (`int`, *optional*):
+            LoRA alpha. If `None`, `2 * lora_r`.
+        lora_dropout (`float`, *optional*, defaults to `0.0`):
+            Dropout on the LoRA input (paper: 0).
+        lora_target_modules (`str` or `list[str]`, *optional*):
+            Leaf names of the layers to adapt. If `None`, the seven decoder projections (q/k/v/o/gate/up/down);
+            `"all-linear"` adapts every Linear-like layer but the output embedding.
+    """
+
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "Load the model under this dtype; default: follow --bf16/--fp16 (bfloat16 on GPUs, float32 "
+                  "on CPU).", "choices": ["auto", "bfloat16", "float16", "float32"]},  # fmt: skip
+    )
+    use_peft: bool = field(
+        default=True,
+        metadata={"help": "Not read: QeRL always trains LoRA, except with --quantization none (full fine-tuning)."},
+    )
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank (paper's main tables: 32; its scripts: 16)."})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha; default: 2 * lora_r."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input (paper: 0)."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Leaf names of the layers to adapt; default: q/k/v/o/gate/up/down projections. "
+                  "'all-linear' adapts every Linear-like layer but the output embedding."},  # fmt: skip
+    )
+
+
+# ModelConfig options the QeRL trainer does not implement: their neutral value and what to use instead.
+_UNSUPPORTED_MODEL_OPTIONS = {
+    "use_dora": (False, "DoRA is not implemented on NVFP4 layers"),
+    "use_rslora": (False, "rsLoRA scaling is not passed to the QeRL trainer; scale lora_alpha instead"),
+    "lora_target_parameters": (None, "LoRA on parameters (MoE experts) is not implemented on NVFP4 layers"),
+    "lora_modules_to_save": (None, "use train_norms for the two RMSNorms QeRL trains"),
+    "lora_task_type": ("CAUSAL_LM", "QeRL trains causal language models"),
+    "load_in_4bit": (False, "use quantization='nf4' for the QLoRA baseline"),
+    "load_in_8bit": (False, "use quantization 'nvfp4', 'bf16', 'nf4' or 'none'"),
+}
+
+
+def apply_model_config(args: QeRLConfig, model_args: ModelConfig) -> QeRLConfig:
+    """Hands TRL's `ModelConfig` to `args`, as TRL's scripts do with ``get_peft_config(model_args)`` and
+    ``model_init_kwargs``: LoRA's rank, alpha, dropout and targets become the trainer's, and the model revision,
+    attention implementation and dtype go into ``args.model_init_kwargs`` (values already there win).
+
+    ``use_peft`` is not read: QeRL trains LoRA unless ``quantization="none"``. Options the QeRL trainer does not
+    implement (DoRA, rsLoRA, ``lora_target_parameters``, ``lora_modules_to_save``, ``load_in_4bit``/``8bit``) raise a
+    `ValueError` naming the alternative. Returns ``args``.
+    """
+    unsupported = [
+        f"{name}={getattr(model_args, name)!r} ({fix})"
+        for name, (neutral, fix) in _UNSUPPORTED_MODEL_OPTIONS.items()
+        if getattr(model_args, name, neutral) != neutral
+    ]
+    if unsupported:
+        raise ValueError(f"QeRLGRPOTrainer does not support these ModelConfig options: {'; '.join(unsupported)}.")
+    _check_lora_rank(args.quantization, model_args.lora_r)
+    for name in LORA_DEFAULTS:
+        setattr(args, name, getattr(model_args, name))
+    loading = {
+        "revision": model_args.model_revision if model_args.model_revision != "main" else None,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    loading = {name: value for name, value in loading.items() if value is not None}
+    if loading:
+        args.model_init_kwargs = {**loading, **(args.model_init_kwargs or {})}
+    return args
+
+
+def _check_lora_rank(quantization: str, lora_r: Any) -> None:
+    if quantization != "none" and (not isinstance(lora_r, int) or isinstance(lora_r, bool) or lora_r <= 0):
+        raise ValueError(f"lora_r must be a positive integer, got {lora_r!r}.")
 
 
 def _has_accelerator() -> bool:
