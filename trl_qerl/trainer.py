@@ -412,17 +412,23 @@ class QeRLGRPOTrainer(GRPOTrainer):
         metadata: dict[str, Any] = {"quantization": args.quantization, "loss_type": args.loss_type}
         if args.quantization == "nvfp4":
             metadata["format"] = "compressed-tensors nvfp4-pack-quantized (W4A16, group 16)"
-        if args.quantization != "none":
-            metadata["lora"] = {
-                "r": args.lora_r, "alpha": args.lora_alpha or 2 * args.lora_r, "dropout": args.lora_dropout,
-                "trained_norms": args.train_norms,
-            }  # fmt: skip
+        lora = self._lora_settings()
+        if lora is not None:
+            metadata["lora"] = lora
         metadata["aqn"] = {
             "schedule": schedule.schedule, "sigma_start": schedule.sigma_start, "sigma_end": schedule.sigma_end,
             "num_stages": schedule.num_stages, "targets": list(args.aqn_targets),
             "importance_sampling": args.rollout_importance_sampling,
         }  # fmt: skip
         return metadata
+
+    def _lora_settings(self) -> dict[str, Any] | None:
+        """The LoRA the model really carries (from ``args`` or a ``peft_config`` the caller passed)."""
+        if not isinstance(self.model, PeftModel):
+            return None
+        config = self.model.peft_config[self.model.active_adapter]
+        return {"r": config.r, "alpha": config.lora_alpha, "dropout": config.lora_dropout,
+                "trained_norms": bool(config.modules_to_save)}  # fmt: skip
 
     def _qerl_card_section(self) -> str:
         args = self.args
@@ -435,12 +441,8 @@ class QeRLGRPOTrainer(GRPOTrainer):
             "nf4": "NF4 base weights through bitsandbytes (QLoRA baseline)",
             "none": "none: full fine-tuning",
         }[args.quantization]
-        lora = (
-            "none"
-            if args.quantization == "none"
-            else f"r={args.lora_r}, alpha={args.lora_alpha or 2 * args.lora_r}, dropout={args.lora_dropout}, "
-            f"trained norms: {args.train_norms}"
-        )
+        settings = self._lora_settings()
+        lora = "none" if settings is None else ", ".join(f"{key}={value}" for key, value in settings.items())
         noise = schedule.describe()
         if schedule.schedule != "off":
             noise += (f"; on {', '.join(args.aqn_targets)} (fp32 weights, output rounded once), "
