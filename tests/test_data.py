@@ -48,9 +48,9 @@ def test_dapo_style_prompt_messages_and_answer_column(tmp_path):
 def test_parquet_and_limit(tmp_path):
     from datasets import Dataset
 
-    Dataset.from_dict({"question": [f"q{i}" for i in range(10)], "answer": [f"#### {i}" for i in range(10)]}).to_parquet(
-        tmp_path / "train.parquet"
-    )
+    Dataset.from_dict(
+        {"question": [f"q{i}" for i in range(10)], "answer": [f"#### {i}" for i in range(10)]}
+    ).to_parquet(tmp_path / "train.parquet")
     dataset = build_math_dataset(tmp_path / "train.parquet", limit=3)
     assert len(dataset) == 3 and dataset["answer"] == ["0", "1", "2"]
 

@@ -140,7 +140,10 @@ def test_kernel_choice_helpers(tmp_path):
     assert narrow.split_k > 1  # few output blocks: split K to fill the GPU
     assert K.heuristic_config(1, 37888, 3584, num_sms=132).split_k == 1
     chooser = K.KernelChooser(autotune=False)
-    chooser.choices = {"H200|bfloat16|16|4608|3584": K.FusedConfig(16, 64, 256, 2), "H200|bfloat16|4096|3584|3584": K.DEQUANT_CUBLAS}
+    chooser.choices = {
+        "H200|bfloat16|16|4608|3584": K.FusedConfig(16, 64, 256, 2),
+        "H200|bfloat16|4096|3584|3584": K.DEQUANT_CUBLAS,
+    }
     chooser.save(tmp_path / "choices.json")
     again = K.KernelChooser(autotune=False)
     again.load(tmp_path / "choices.json")
@@ -158,7 +161,8 @@ SHAPES = {  # (N, K) of Qwen2.5-7B projections, fused as vLLM fuses them
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "shape, dtype", [(name, torch.bfloat16) for name in sorted(SHAPES)] + [("o", torch.float16), ("down", torch.float16)]
+    "shape, dtype",
+    [(name, torch.bfloat16) for name in sorted(SHAPES)] + [("o", torch.float16), ("down", torch.float16)],
 )
 @pytest.mark.parametrize("m", [1, 17, 100])
 def test_every_candidate_kernel_is_correct(shape, dtype, m):
@@ -225,9 +229,11 @@ def test_linear_layer_uses_triton_on_cuda_and_trains():
 def _mlp():
     torch.manual_seed(0)
     dense = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 512))
-    return torch.nn.Sequential(
-        NVFP4A16Linear.from_linear(dense[0]), dense[1], NVFP4A16Linear.from_linear(dense[2])
-    ).cuda().to(torch.bfloat16)
+    return (
+        torch.nn.Sequential(NVFP4A16Linear.from_linear(dense[0]), dense[1], NVFP4A16Linear.from_linear(dense[2]))
+        .cuda()
+        .to(torch.bfloat16)
+    )
 
 
 @needs_cuda

@@ -22,7 +22,9 @@ def _layer(in_features=64, out_features=48, bias=True, seed=0):
 def test_forward_equals_dense_reference(bias, dtype, shape):
     layer = _layer(bias=bias).to(dtype)
     x = torch.randn(*shape, dtype=dtype)
-    expected = F.linear(x.double(), layer.dequantize_weight(torch.float64), None if layer.bias is None else layer.bias.double())
+    expected = F.linear(
+        x.double(), layer.dequantize_weight(torch.float64), None if layer.bias is None else layer.bias.double()
+    )
     assert relative_error(expected, layer(x)) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 

@@ -72,7 +72,10 @@ def test_decaying_schedules_run_from_start_to_end_monotonically(kind):
 
 
 def test_schedule_shapes_differ_as_documented():
-    middle = {kind: NoiseSchedule(schedule=kind).sigma_at_stage(5) for kind in ("exponential", "linear", "cosine", "logarithmic")}
+    middle = {
+        kind: NoiseSchedule(schedule=kind).sigma_at_stage(5)
+        for kind in ("exponential", "linear", "cosine", "logarithmic")
+    }
     assert middle["exponential"] == pytest.approx(1e-3)
     assert middle["linear"] == pytest.approx((1e-2 + 1e-4) / 2)
     assert middle["cosine"] == pytest.approx((1e-2 + 1e-4) / 2)  # cosine crosses the midpoint halfway
@@ -241,7 +244,11 @@ def test_callback_logs_sigma_and_stage_with_any_trainer(tmp_path):
         warnings.simplefilter("ignore")
         trainer = _trainer(tmp_path, tiny_model("qwen2", dtype=torch.float32), callback)
         trainer.train()
-    logged = [(entry["step"], entry["aqn/stage"], entry["aqn/sigma"]) for entry in trainer.state.log_history if "aqn/sigma" in entry and "loss" in entry]
+    logged = [
+        (entry["step"], entry["aqn/stage"], entry["aqn/sigma"])
+        for entry in trainer.state.log_history
+        if "aqn/sigma" in entry and "loss" in entry
+    ]
     # steps 1..6 are logged after their optimizer step; the stage is that of the step that just ran
     assert [stage for _, stage, _ in logged] == [0, 0, 1, 1, 2, 2]
     assert [sigma for *_, sigma in logged] == pytest.approx([0, 0, 1e-2, 1e-2, 1e-3, 1e-3])

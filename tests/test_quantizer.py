@@ -21,7 +21,9 @@ PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def _load(path, **kwargs):
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4A16Config(), dtype=torch.bfloat16, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=NVFP4A16Config(), dtype=torch.bfloat16, **kwargs
+    )
 
 
 def _logits(model, tokens=None):
@@ -134,7 +136,9 @@ def test_save_writes_compressed_tensors_and_round_trips_bit_identically(bf16_che
     assert isinstance(reloaded.model.layers[0].mlp.gate_proj, NVFP4A16Linear)
     original, again = model.state_dict(), reloaded.state_dict()
     assert original.keys() == again.keys()
-    assert all(torch.equal(_bits(original[k]), _bits(again[k])) and original[k].dtype == again[k].dtype for k in original)
+    assert all(
+        torch.equal(_bits(original[k]), _bits(again[k])) and original[k].dtype == again[k].dtype for k in original
+    )
     assert torch.equal(_logits(model), _logits(reloaded))
 
 
@@ -239,7 +243,10 @@ def test_nan_in_16_bit_weight_names_the_layer(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda c: c["config_groups"]["group_0"].update({"input_activations": {"num_bits": 4, "type": "float"}}), "W4A4"),
+        (
+            lambda c: c["config_groups"]["group_0"].update({"input_activations": {"num_bits": 4, "type": "float"}}),
+            "W4A4",
+        ),
         (lambda c: c.update({"format": "int-quantized"}), "format 'int-quantized'"),
         (lambda c: c["config_groups"]["group_0"]["weights"].update({"group_size": 32}), "group_size"),
         (lambda c: c.clear() or c.update({"quant_method": "gptq", "bits": 4}), "quantised with 'gptq'"),

@@ -44,7 +44,9 @@ def test_generator_logprobs_are_the_models_own_scores_of_its_samples():
         with torch.no_grad():
             logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
         log_probs = logits.log_softmax(-1)
-        assert torch.allclose(torch.tensor(logprobs), log_probs.gather(-1, torch.tensor(ids)[:, None])[:, 0], atol=1e-4)
+        assert torch.allclose(
+            torch.tensor(logprobs), log_probs.gather(-1, torch.tensor(ids)[:, None])[:, 0], atol=1e-4
+        )
         assert torch.allclose(torch.tensor(entropies), -(log_probs.exp() * log_probs).sum(-1), atol=1e-4)
 
 
@@ -74,11 +76,15 @@ def test_rollout_side_entropy_is_logged_beside_trls_clean_entropy(tmp_path, back
 
 def test_importance_sampling_is_off_by_default_on_every_backend_including_vllm():
     assert QeRLConfig(output_dir="x", use_cpu=True).vllm_importance_sampling_correction is False
-    assert QeRLConfig(output_dir="x", use_cpu=True, rollout_importance_sampling=True).vllm_importance_sampling_correction
+    assert QeRLConfig(
+        output_dir="x", use_cpu=True, rollout_importance_sampling=True
+    ).vllm_importance_sampling_correction
 
 
 def test_importance_sampling_on_the_fast_backend_uses_its_logprobs(tmp_path):
-    trainer = _trainer(tmp_path, "fast", rollout_importance_sampling=True, vllm_importance_sampling_mode="token_truncate")
+    trainer = _trainer(
+        tmp_path, "fast", rollout_importance_sampling=True, vllm_importance_sampling_mode="token_truncate"
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     for entry in logs:

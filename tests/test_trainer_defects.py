@@ -19,11 +19,11 @@ from transformers import Trainer, TrainingArguments
 
 from trl_qerl.config import QeRLConfig
 from trl_qerl.data import tiny_arithmetic_dataset
+from trl_qerl.loading import load_policy
 from trl_qerl.noise import AQNCallback, NoiseSchedule, NormNoise
 from trl_qerl.nvfp4.linear import NVFP4A16Linear
 from trl_qerl.rewards import completion_text
-from trl_qerl.rollout import FastRollout, _unsupported
-from trl_qerl.loading import load_policy
+from trl_qerl.rollout.fast import FastRollout, _unsupported
 from trl_qerl.trainer import QeRLGRPOTrainer, _guard_reward, _refuse_sharded_parameters
 
 

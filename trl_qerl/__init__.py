@@ -73,5 +73,16 @@ __all__ = [
     "from_pretrained",
     "quantize_model",
     "__version__",
-    *_LAZY,
+    # loaded on first use (_LAZY)
+    "AQNCallback",
+    "NoiseSchedule",
+    "QeRLConfig",
+    "QeRLGRPOTrainer",
+    "accuracy_reward",
+    "build_math_dataset",
+    "format_reward",
+    "get_peft_model",
+    "load_adapter",
+    "merge_and_export",
+    "nvfp4_lora_config",
 ]

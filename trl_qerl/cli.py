@@ -56,15 +56,20 @@ class QeRLScriptArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Hub dataset ('openai/gsm8k', ...), a local json/jsonl/parquet file, or 'tiny' for the "
-                  "shipped arithmetic task. Required, except with the shipped tiny model."},  # fmt: skip
+        metadata={
+            "help": "Hub dataset ('openai/gsm8k', ...), a local json/jsonl/parquet file, or 'tiny' for the "
+            "shipped arithmetic task. Required, except with the shipped tiny model."
+        },  # fmt: skip
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration ('main' for GSM8K)"})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_kind: str = field(
         default="auto",
-        metadata={"help": "How answers are written: 'gsm8k' (#### 42), 'math' (\\\\boxed{} in the solution), 'tiny', "
-                  "or 'auto' to detect it.", "choices": DATASET_KINDS},  # fmt: skip
+        metadata={
+            "help": "How answers are written: 'gsm8k' (#### 42), 'math' (\\\\boxed{} in the solution), 'tiny', "
+            "or 'auto' to detect it.",
+            "choices": DATASET_KINDS,
+        },  # fmt: skip
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training rows."})
     system_prompt: str | None = field(default=None, metadata={"help": "System prompt (default: the R1-style one)."})
@@ -89,15 +94,21 @@ class EvalArguments:
     )
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Hub dataset, local json/jsonl/parquet file, or 'tiny'. Required, except with the shipped "
-                  "tiny model.", "aliases": ["--dataset"]},  # fmt: skip
+        metadata={
+            "help": "Hub dataset, local json/jsonl/parquet file, or 'tiny'. Required, except with the shipped "
+            "tiny model.",
+            "aliases": ["--dataset"],
+        },  # fmt: skip
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration ('main' for GSM8K)"})
     dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate.", "aliases": ["--split"]})
     dataset_kind: str = field(
         default="auto",
-        metadata={"help": "How answers are written (see `trl-qerl train --help`).", "choices": DATASET_KINDS,
-                  "aliases": ["--kind"]},  # fmt: skip
+        metadata={
+            "help": "How answers are written (see `trl-qerl train --help`).",
+            "choices": DATASET_KINDS,
+            "aliases": ["--kind"],
+        },  # fmt: skip
     )
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Evaluate the first N problems.", "aliases": ["--limit"]}

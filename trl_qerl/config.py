@@ -170,8 +170,10 @@ class QeRLConfig(GRPOConfig):
     # Parameters whose defaults differ from TRL's
     learning_rate: float = field(
         default=1e-5,
-        metadata={"help": "Initial AdamW learning rate. QeRL default 1e-5: quantised models train well at ~10x the "
-                  "16-bit LoRA rate (paper: 1e-5 to 3e-5)."},  # fmt: skip
+        metadata={
+            "help": "Initial AdamW learning rate. QeRL default 1e-5: quantised models train well at ~10x the "
+            "16-bit LoRA rate (paper: 1e-5 to 3e-5)."
+        },  # fmt: skip
     )
     epsilon_high: float | None = field(
         default=0.28,
@@ -195,22 +197,29 @@ class QeRLConfig(GRPOConfig):
     # Parameters that control LoRA (rank, alpha, dropout and targets are TRL's ModelConfig fields)
     train_norms: bool = field(
         default=True,
-        metadata={"help": "Also train input_layernorm and post_attention_layernorm (as QeRL's reference scripts do); "
-                  "AQN noise goes on top of the trained weights."},  # fmt: skip
+        metadata={
+            "help": "Also train input_layernorm and post_attention_layernorm (as QeRL's reference scripts do); "
+            "AQN noise goes on top of the trained weights."
+        },  # fmt: skip
     )
 
     # Parameters that control AQN
     aqn_schedule: str = field(
         default="exponential",
-        metadata={"help": "AQN decay from sigma_start to sigma_end over stages 1..K-1 (stage 0 is noise-free); "
-                  "'off' disables AQN.", "choices": list(SCHEDULES)},  # fmt: skip
+        metadata={
+            "help": "AQN decay from sigma_start to sigma_end over stages 1..K-1 (stage 0 is noise-free); "
+            "'off' disables AQN.",
+            "choices": list(SCHEDULES),
+        },  # fmt: skip
     )
     aqn_sigma_start: float = field(default=1e-2, metadata={"help": "AQN sigma of stage 1 (paper scripts: 1e-2)."})
     aqn_sigma_end: float = field(default=1e-4, metadata={"help": "AQN sigma of the last stage (paper scripts: 1e-4)."})
     aqn_num_stages: int = field(
         default=10,
-        metadata={"help": "Number K of AQN stages over training (10): stage = int(step // (max_steps / K)), the "
-                  "reference code's float interval; stage 0 is noise-free."},  # fmt: skip
+        metadata={
+            "help": "Number K of AQN stages over training (10): stage = int(step // (max_steps / K)), the "
+            "reference code's float interval; stage 0 is noise-free."
+        },  # fmt: skip
     )
     aqn_targets: list[str] = field(
         default_factory=lambda: list(DEFAULT_TARGETS),
@@ -218,19 +227,23 @@ class QeRLConfig(GRPOConfig):
     )
     aqn_apply_to_training: bool = field(
         default=False,
-        metadata={"help": "Keep AQN noise on during the loss forward too (default: rollout generation only, as the "
-                  "reference implementation)."},  # fmt: skip
+        metadata={
+            "help": "Keep AQN noise on during the loss forward too (default: rollout generation only, as the "
+            "reference implementation)."
+        },  # fmt: skip
     )
 
     # Parameters that control rollouts
     rollout_importance_sampling: bool = field(
         default=False,
-        metadata={"help": "Correct the loss for rollouts sampled under AQN noise (and the rollout engine's numerics) "
-                  "with TRL's importance sampling (pi_clean / pi_rollout, reweighted or masked per "
-                  "vllm_importance_sampling_mode and its clip bounds), on the vLLM and fast backends. Default False, "
-                  "as in the reference QeRL: rollouts sampled with noise are trained on as on-policy, since the "
-                  "correction would partly undo the exploration AQN adds. Replaces TRL's "
-                  "vllm_importance_sampling_correction, which only acts on vLLM."},  # fmt: skip
+        metadata={
+            "help": "Correct the loss for rollouts sampled under AQN noise (and the rollout engine's numerics) "
+            "with TRL's importance sampling (pi_clean / pi_rollout, reweighted or masked per "
+            "vllm_importance_sampling_mode and its clip bounds), on the vLLM and fast backends. Default False, "
+            "as in the reference QeRL: rollouts sampled with noise are trained on as on-policy, since the "
+            "correction would partly undo the exploration AQN adds. Replaces TRL's "
+            "vllm_importance_sampling_correction, which only acts on vLLM."
+        },  # fmt: skip
     )
     rollout_backend: str = field(
         default="auto",
@@ -243,29 +256,38 @@ class QeRLConfig(GRPOConfig):
 
     vllm_checkpoint_dir: str | None = field(
         default=None,
-        metadata={"help": "vLLM backend (colocate): the base checkpoint vLLM loads. A directory holding one (e.g. "
-                  "from `trl-qerl quantize`, the model you train) is used as is; an empty one receives the base "
-                  "exported from the training model; default: a temporary directory."},  # fmt: skip
+        metadata={
+            "help": "vLLM backend (colocate): the base checkpoint vLLM loads. A directory holding one (e.g. "
+            "from `trl-qerl quantize`, the model you train) is used as is; an empty one receives the base "
+            "exported from the training model; default: a temporary directory."
+        },  # fmt: skip
     )
     vllm_adapter_dir: str | None = field(
         default=None,
-        metadata={"help": "vLLM backend (colocate): where per-step adapters are written; default: tmpfs "
-                  "(/dev/shm) when available."},  # fmt: skip
+        metadata={
+            "help": "vLLM backend (colocate): where per-step adapters are written; default: tmpfs "
+            "(/dev/shm) when available."
+        },  # fmt: skip
     )
     vllm_max_lora_rank: int | None = field(
         default=None,
-        metadata={"help": "vLLM backend (colocate): vLLM's max_lora_rank (1, 8, 16, 32, 64, 128, 256, 320, 512); "
-                  "default: the smallest one >= the LoRA rank."},  # fmt: skip
+        metadata={
+            "help": "vLLM backend (colocate): vLLM's max_lora_rank (1, 8, 16, 32, 64, 128, 256, 320, 512); "
+            "default: the smallest one >= the LoRA rank."
+        },  # fmt: skip
     )
     vllm_enforce_eager: bool = field(
         default=False,
-        metadata={"help": "vLLM backend (colocate): disable CUDA graphs in vLLM (slower; saves memory and start-up "
-                  "time)."},  # fmt: skip
+        metadata={
+            "help": "vLLM backend (colocate): disable CUDA graphs in vLLM (slower; saves memory and start-up time)."
+        },  # fmt: skip
     )
     vllm_engine_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "vLLM backend (colocate): extra keyword arguments for vllm.LLM, as a JSON string on the "
-                  "command line, e.g. '{\"max_num_batched_tokens\": 8192}'."},  # fmt: skip
+        metadata={
+            "help": "vLLM backend (colocate): extra keyword arguments for vllm.LLM, as a JSON string on the "
+            "command line, e.g. '{\"max_num_batched_tokens\": 8192}'."
+        },  # fmt: skip
     )
 
     # Deprecated parameters: init-only (not dataclass fields), so that a parser over QeRLConfig and TRL's
@@ -357,8 +379,11 @@ class QeRLModelConfig(ModelConfig):
 
     dtype: str | None = field(
         default=None,
-        metadata={"help": "Load the model under this dtype; default: follow --bf16/--fp16 (bfloat16 on GPUs, float32 "
-                  "on CPU).", "choices": ["auto", "bfloat16", "float16", "float32"]},  # fmt: skip
+        metadata={
+            "help": "Load the model under this dtype; default: follow --bf16/--fp16 (bfloat16 on GPUs, float32 "
+            "on CPU).",
+            "choices": ["auto", "bfloat16", "float16", "float32"],
+        },  # fmt: skip
     )
     use_peft: bool = field(
         default=True,
@@ -369,8 +394,10 @@ class QeRLModelConfig(ModelConfig):
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input (paper: 0)."})
     lora_target_modules: list[str] | None = field(
         default=None,
-        metadata={"help": "Leaf names of the layers to adapt; default: q/k/v/o/gate/up/down projections. "
-                  "'all-linear' adapts every Linear-like layer but the output embedding."},  # fmt: skip
+        metadata={
+            "help": "Leaf names of the layers to adapt; default: q/k/v/o/gate/up/down projections. "
+            "'all-linear' adapts every Linear-like layer but the output embedding."
+        },  # fmt: skip
     )
 
 

@@ -33,7 +33,15 @@ if TYPE_CHECKING:
     from .config import QeRLConfig
 
 
-_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
+_HUB_KWARGS = (
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "token",
+    "revision",
+    "subfolder",
+    "trust_remote_code",
+)
 
 
 def nvfp4_config_for(
@@ -102,7 +110,9 @@ def _model_init_kwargs(args: QeRLConfig) -> dict[str, Any]:
 
 def _bnb_nf4_config():
     if not torch.cuda.is_available():
-        raise ValueError("quantization='nf4' (the QLoRA baseline) needs a CUDA GPU: bitsandbytes NF4 has no CPU kernels.")
+        raise ValueError(
+            "quantization='nf4' (the QLoRA baseline) needs a CUDA GPU: bitsandbytes NF4 has no CPU kernels."
+        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as error:

@@ -59,7 +59,10 @@ class LoraNVFP4Linear(LoraLinear):
         for option, unsupported in (
             ("lora_bias", config.lora_bias),
             ("use_dora", config.use_dora),
-            ("init_lora_weights", isinstance(config.init_lora_weights, str) and config.init_lora_weights != "gaussian"),
+            (
+                "init_lora_weights",
+                isinstance(config.init_lora_weights, str) and config.init_lora_weights != "gaussian",
+            ),
         ):
             if unsupported:
                 raise ValueError(
@@ -245,11 +248,15 @@ def merge_and_export(
     if not source:
         raise ValueError("The adapter does not record its base model; pass base_model=<16-bit checkpoint>.")
     if getattr(AutoConfig.from_pretrained(source), "quantization_config", None) is not None:
-        raise ValueError(f"{source} is a quantised checkpoint; merging needs the 16-bit master weights (base_model=...).")
+        raise ValueError(
+            f"{source} is a quantised checkpoint; merging needs the 16-bit master weights (base_model=...)."
+        )
     with tempfile.TemporaryDirectory() as adapter_dir:
         model.save_pretrained(adapter_dir, selected_adapters=[adapter_name])
         dense = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **load_kwargs)
-        merged = PeftModel.from_pretrained(dense, os.path.join(adapter_dir, *([] if adapter_name == "default" else [adapter_name])))
+        merged = PeftModel.from_pretrained(
+            dense, os.path.join(adapter_dir, *([] if adapter_name == "default" else [adapter_name]))
+        )
         merged = merged.merge_and_unload()
     if export_format == "bf16":
         merged.save_pretrained(output_dir)

@@ -276,7 +276,11 @@ class NormNoise:
     def _next_seed(self) -> int:
         self._draws += 1
         # rank 0 keeps the key of single-process runs from before ranks were seeded apart (same draws as then)
-        key = f"{self.seed}:{self.step}:{self._draws}" if self.rank == 0 else f"{self.seed}:{self.rank}:{self.step}:{self._draws}"
+        key = (
+            f"{self.seed}:{self.step}:{self._draws}"
+            if self.rank == 0
+            else f"{self.seed}:{self.rank}:{self.step}:{self._draws}"
+        )
         return zlib.crc32(key.encode())
 
 

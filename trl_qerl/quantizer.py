@@ -109,7 +109,9 @@ class NVFP4A16Config(QuantizationConfigMixin):
             if value is not None and not all(isinstance(item, str) for item in value):
                 raise ValueError(f"{type(self).__name__}.{name} must be a list of strings, got {value!r}.")
         if not all(isinstance(m, str) for group in self.shared_scale_groups for m in group):
-            raise ValueError(f"{type(self).__name__}.shared_scale_groups must be lists of names, got {self.shared_scale_groups}.")
+            raise ValueError(
+                f"{type(self).__name__}.shared_scale_groups must be lists of names, got {self.shared_scale_groups}."
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The compressed-tensors config that `save_pretrained` writes to config.json."""
@@ -377,7 +379,8 @@ class NVFP4A16HfQuantizer(HfQuantizer):
         self._errors.clear()
         if problems:
             raise ValueError(
-                f"Could not load {len(problems)} NVFP4 layer(s):\n  " + "\n  ".join(problems[n] for n in sorted(problems))
+                f"Could not load {len(problems)} NVFP4 layer(s):\n  "
+                + "\n  ".join(problems[n] for n in sorted(problems))
             )
         return model
 

@@ -97,7 +97,9 @@ def answers_match(gold: str, predicted: str | None) -> bool:
     try:
         gold_parsed = parse(_as_math(gold), parsing_timeout=timeout)
         predicted_parsed = parse(_as_math(predicted), parsing_timeout=timeout)
-        return bool(gold_parsed and predicted_parsed and verify(gold_parsed, predicted_parsed, timeout_seconds=timeout))
+        return bool(
+            gold_parsed and predicted_parsed and verify(gold_parsed, predicted_parsed, timeout_seconds=timeout)
+        )
     except Exception:  # noqa: BLE001 - a reward must score garbage as wrong, not crash the run
         return False
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import numbers
 import os
-import logging
 import shutil
 import tempfile
 import time
@@ -36,10 +36,10 @@ from transformers import AutoTokenizer, PreTrainedModel, set_seed
 from trl import GRPOTrainer
 
 from ._compat import check_private_hooks
+from .checkpoints import CheckpointMarker, check_base_fingerprint, last_complete_checkpoint, write_base_fingerprint
 from .config import QeRLConfig
 from .loading import load_policy
 from .lora import get_peft_model, nvfp4_lora_config, register_nvfp4_lora
-from .checkpoints import CheckpointMarker, check_base_fingerprint, last_complete_checkpoint, write_base_fingerprint
 from .noise import AQNCallback
 from .norms import keep_fp32_trainable_norms
 from .nvfp4.linear import exclude_packed_tensors_from_ddp
@@ -156,7 +156,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
         if args is None:
             args = QeRLConfig(f"{Path(model_id or 'model').name}-QeRL")
         if not isinstance(args, QeRLConfig):
-            raise TypeError(f"QeRLGRPOTrainer needs a QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}.")
+            raise TypeError(
+                f"QeRLGRPOTrainer needs a QeRLConfig (a GRPOConfig with QeRL fields), got {type(args).__name__}."
+            )
         _check_dataset(train_dataset, "train_dataset")
         _check_dataset(eval_dataset, "eval_dataset")
         _check_output_dir(args.output_dir)  # before any model work: a run must not fail at its final save
@@ -164,7 +166,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
 
         model = load_policy(model, args)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model_id or model.config._name_or_path, padding_side="left")
+            processing_class = AutoTokenizer.from_pretrained(
+                model_id or model.config._name_or_path, padding_side="left"
+            )
         model = self._apply_lora(model, args, peft_config)
         exclude_packed_tensors_from_ddp(model)
         self.aqn_callback = AQNCallback(
@@ -373,7 +377,9 @@ class QeRLGRPOTrainer(GRPOTrainer):
             metrics["time/forward_backward_s"].append(total - sum(self._timings.values()))
             metrics["time/step_s"].append(total)
             if on_cuda:
-                metrics["memory/peak_allocated_gb"].append(torch.cuda.max_memory_allocated(self.accelerator.device) / 1e9)
+                metrics["memory/peak_allocated_gb"].append(
+                    torch.cuda.max_memory_allocated(self.accelerator.device) / 1e9
+                )
         return loss
 
     # -- model card ----------------------------------------------------------------------------------------------

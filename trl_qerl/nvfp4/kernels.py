@@ -718,7 +718,9 @@ def nvfp4_linear_op(
 ) -> torch.Tensor:
     """``x[M, K] @ dequant(W[N, K]).T`` (no bias)."""
     if x.shape[-1] != weight_packed.shape[1] * 2:
-        raise ValueError(f"nvfp4_linear: x has {x.shape[-1]} features, the weight expects {weight_packed.shape[1] * 2}.")
+        raise ValueError(
+            f"nvfp4_linear: x has {x.shape[-1]} features, the weight expects {weight_packed.shape[1] * 2}."
+        )
     path = device_path(x.device) if x.device.type == "cuda" else None
     if path is None or x.dtype not in path.matmul_dtypes or x.shape[0] == 0:
         # fp32 activations keep full precision (tl.dot would round them to tf32); bf16 on sm_75 has no MMA
@@ -758,7 +760,6 @@ def nvfp4_dequantize_op(
 @nvfp4_dequantize_op.register_fake
 def _(weight_packed, weight_scale, weight_global_scale, dtype):
     return weight_packed.new_empty(weight_packed.shape[0], weight_packed.shape[1] * 2, dtype=dtype)
-
 
 
 __all__ = [

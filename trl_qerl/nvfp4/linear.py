@@ -338,9 +338,7 @@ def _apply_keeping_dtype(fn, param: nn.Parameter) -> nn.Parameter:
 def exclude_packed_tensors_from_ddp(model: nn.Module) -> list[str]:
     """Tell DistributedDataParallel not to broadcast the frozen NVFP4 tensors of ``model`` (every rank loads the
     same ones; NCCL/gloo may not even support fp8 broadcasts). Returns the names it set."""
-    names = [
-        name for name, _ in model.named_parameters() if name.rpartition(".")[2] in QUANTIZED_TENSOR_NAMES
-    ]
+    names = [name for name, _ in model.named_parameters() if name.rpartition(".")[2] in QUANTIZED_TENSOR_NAMES]
     existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     model._ddp_params_and_buffers_to_ignore = sorted(set(existing + names))
     return names

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-from .fast import FastRollout, _unsupported
+from .fast import FastRollout
 from .generate import RolloutBackend, TransformersRollout
 
 

@@ -157,7 +157,9 @@ class StaticCacheGenerator:
         self.batch_bucket, self.length_bucket, self.check_every = batch_bucket, length_bucket, check_every
         implementation = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
         if implementation not in ("sdpa", "eager"):
-            raise ValueError(f"StaticCacheGenerator needs 'sdpa' or 'eager' attention, the model uses {implementation!r}.")
+            raise ValueError(
+                f"StaticCacheGenerator needs 'sdpa' or 'eager' attention, the model uses {implementation!r}."
+            )
         self.mask_dtype = torch.bool if implementation == "sdpa" else model.dtype
         self._states: dict[tuple, _DecodeState] = {}
         self.captures = 0

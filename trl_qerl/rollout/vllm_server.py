@@ -49,6 +49,7 @@ from safetensors.torch import save as save_safetensors
 from .vllm_checkpoint import VLLM_LORA_RANKS, check_vllm_shapes, choose_max_lora_rank
 from .vllm_norms import DEFAULT_FP32_NORMS
 
+
 logger = logging.getLogger(__name__)
 
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -199,7 +200,9 @@ class RolloutService:
         if sampling is None:
             return {}
         if not isinstance(sampling, dict):
-            raise RequestError(f"sampling must be a JSON object of SamplingParams options, got {type(sampling).__name__}.")
+            raise RequestError(
+                f"sampling must be a JSON object of SamplingParams options, got {type(sampling).__name__}."
+            )
         unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
         if unknown:
             raise RequestError(f"unsupported sampling options {unknown}; supported: {list(SAMPLING_KEYS)}.")
@@ -246,8 +249,10 @@ class RolloutService:
     def generate(self, payload: dict[str, Any]) -> dict[str, Any]:
         _known_keys(payload, ("prompt_ids", "sampling"), "/generate")
         prompt_ids = payload.get("prompt_ids")
-        if not isinstance(prompt_ids, list) or not prompt_ids or not all(
-            isinstance(ids, list) and ids for ids in prompt_ids
+        if (
+            not isinstance(prompt_ids, list)
+            or not prompt_ids
+            or not all(isinstance(ids, list) and ids for ids in prompt_ids)
         ):
             raise RequestError("prompt_ids must be a non-empty list of non-empty lists of token ids.")
         if len(prompt_ids) > MAX_PROMPTS:
@@ -334,7 +339,9 @@ def _handler(
             if hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode()):
                 return True
             self.close_connection = True
-            self._send(401, {"error": f"missing or wrong API key: send 'Authorization: Bearer <key>' ({API_KEY_ENV})."})
+            self._send(
+                401, {"error": f"missing or wrong API key: send 'Authorization: Bearer <key>' ({API_KEY_ENV})."}
+            )
             return False
 
         def _read_body(self) -> bytes:
@@ -411,7 +418,7 @@ def _json(body: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise RequestError(f"the body is not JSON: {error}") from error
     except RecursionError:
-        raise RequestError("the body is nested too deeply; send {\"prompt_ids\": [[...]], \"sampling\": {...}}.") from None
+        raise RequestError('the body is nested too deeply; send {"prompt_ids": [[...]], "sampling": {...}}.') from None
     if not isinstance(payload, dict):
         raise RequestError("the body must be a JSON object.")
     return payload
