@@ -30,4 +30,6 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert "skipping push_to_hub()" in text
     assert (tmp_path / "qerl-quickstart" / "metrics.png").stat().st_size > 0
     assert (tmp_path / "qerl-quickstart" / "adapter" / "adapter_model.safetensors").exists()
-    assert any(output.get("data", {}).get("image/png") for cell in notebook.cells for output in cell.get("outputs", []))
+    assert any(
+        output.get("data", {}).get("image/png") for cell in notebook.cells for output in cell.get("outputs", [])
+    )
