@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -66,3 +67,10 @@ def tiny_chat_checkpoint(path, arch: str = "qwen2", seed: int = 0, **overrides):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for 2-process gloo tests)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

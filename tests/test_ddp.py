@@ -2,18 +2,12 @@
 broadcast (gloo cannot send fp8), LoRA gradients must be all-reduced."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from _tiny import free_port
 
 
 def _worker(rank: int, port: int, results):
@@ -43,5 +37,5 @@ def _worker(rank: int, port: int, results):
 def test_ddp_skips_packed_tensors_and_averages_lora_gradients():
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(_free_port(), results), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), results), nprocs=2)
     assert torch.equal(results[0], results[1])  # all-reduced: identical on both ranks despite different data

@@ -4,14 +4,13 @@ import asyncio
 import inspect
 import logging
 import os
-import socket
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _tiny import random_tokens, tiny_chat_checkpoint, tiny_model
+from _tiny import free_port, random_tokens, tiny_chat_checkpoint, tiny_model
 from datasets import Dataset
 from peft import LoraConfig
 from peft import get_peft_model as peft_get_peft_model
@@ -181,12 +180,6 @@ def test_qerl_trainer_drives_the_noise_and_does_not_warn(checkpoint, tmp_path, c
     assert not [r for r in caplog.records if "trains without AQN" in r.message]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _noise_on_rank(rank: int, port: int, results):
     import sys
 
@@ -210,7 +203,7 @@ def _noise_on_rank(rank: int, port: int, results):
 @pytest.mark.slow
 def test_each_data_parallel_rank_draws_its_own_noise():
     results = mp.Manager().dict()
-    mp.spawn(_noise_on_rank, args=(_free_port(), results), nprocs=2)
+    mp.spawn(_noise_on_rank, args=(free_port(), results), nprocs=2)
     (rank0, noisy0), (rank1, noisy1) = results[0], results[1]
     assert (rank0, rank1) == (0, 1)
     assert not torch.equal(noisy0, noisy1)

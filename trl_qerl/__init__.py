@@ -12,11 +12,11 @@ PEFT) load on first use. A model loaded with `NVFP4A16Config` (or `from_pretrain
 with nothing else from this package.
 """
 
-import warnings
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 from .loading import from_pretrained
+from .nvfp4._deprecation import deprecated_names
 from .nvfp4.linear import NVFP4A16Linear, NVFP4WeightError
 from .quantizer import NVFP4A16Config, NVFP4A16HfQuantizer, quantize_model
 
@@ -47,22 +47,17 @@ if TYPE_CHECKING:
 
 
 # Deprecated for one release: transformers exports unrelated classes with these names (W4A4 NVFP4 for Blackwell).
-_DEPRECATED = {"NVFP4Config": NVFP4A16Config, "NVFP4HfQuantizer": NVFP4A16HfQuantizer, "NVFP4Linear": NVFP4A16Linear}
+_deprecated = deprecated_names(
+    __name__,
+    {"NVFP4Config": "NVFP4A16Config", "NVFP4HfQuantizer": "NVFP4A16HfQuantizer", "NVFP4Linear": "NVFP4A16Linear"},
+    lambda name: globals()[name],
+)
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name], __name__), name)
-    if name in _DEPRECATED:
-        new = _DEPRECATED[name]
-        warnings.warn(
-            f"`trl_qerl.{name}` is deprecated and will be removed in the next release; use `trl_qerl.{new.__name__}` "
-            f"(transformers has its own, unrelated `{name}`).",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return new
-    raise AttributeError(f"module 'trl_qerl' has no attribute {name!r}")
+    return _deprecated(name)  # a renamed class with a FutureWarning, else AttributeError
 
 
 __all__ = [

@@ -38,6 +38,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .nvfp4._deprecation import deprecated_names
 from .nvfp4.format import GROUP_SIZE, check_packed, check_quantizable, quantize, shared_global_scale
 from .nvfp4.linear import QUANTIZED_TENSOR_NAMES, NVFP4A16Linear, nvfp4_modules
 
@@ -523,20 +524,11 @@ def register() -> None:
 
 register()
 
-_DEPRECATED_NAMES = {"NVFP4Config": "NVFP4A16Config", "NVFP4HfQuantizer": "NVFP4A16HfQuantizer"}
-
-
-def __getattr__(name: str):
-    if name in _DEPRECATED_NAMES:
-        new = _DEPRECATED_NAMES[name]
-        warnings.warn(
-            f"`{name}` is deprecated and will be removed in the next release; use `{new}` (transformers has its own, "
-            f"unrelated `{name}`).",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_names(
+    __name__,
+    {"NVFP4Config": "NVFP4A16Config", "NVFP4HfQuantizer": "NVFP4A16HfQuantizer"},
+    lambda name: globals()[name],
+)
 
 
 __all__ = [

@@ -36,12 +36,11 @@ Matrix products go through the per-device kernel registry in `trl_qerl.nvfp4.dis
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._deprecation import deprecated_names
 from .dispatch import kernels_for
 from .format import GROUP_SIZE, NVFP4Weight, check_packed, dequantize, quantize
 
@@ -349,17 +348,4 @@ def nvfp4_modules(model: nn.Module) -> dict[str, NVFP4A16Linear]:
     return {name: module for name, module in model.named_modules() if isinstance(module, NVFP4A16Linear)}
 
 
-_DEPRECATED_NAMES = {"NVFP4Linear": "NVFP4A16Linear"}
-
-
-def __getattr__(name: str):
-    if name in _DEPRECATED_NAMES:
-        new = _DEPRECATED_NAMES[name]
-        warnings.warn(
-            f"`{name}` is deprecated and will be removed in the next release; use `{new}` (transformers has its own, "
-            f"unrelated `{name}`).",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_names(__name__, {"NVFP4Linear": "NVFP4A16Linear"}, lambda name: globals()[name])
