@@ -381,10 +381,10 @@ def _shared_engine_worker(rank: int, port: int, adapter_dir: str, results):
 @pytest.mark.slow
 def test_server_mode_gathers_prompts_to_one_engine_and_scatters_completions(tmp_path):
     import torch.multiprocessing as mp
-    from test_ddp import _free_port
+    from _tiny import free_port
 
     results = mp.Manager().dict()
-    mp.spawn(_shared_engine_worker, args=(_free_port(), str(tmp_path), results), nprocs=2)
+    mp.spawn(_shared_engine_worker, args=(free_port(), str(tmp_path), results), nprocs=2)
     # only the main process talks to the engine: adapter, norms, then one generate over both processes' prompts
     assert results[0][2] == ["adapter", "norms", "generate"] and results[1][2] == []
     assert results[0][3] == [[[1, 2], [3], [11, 12], [13]]]
