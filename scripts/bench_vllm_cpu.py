@@ -70,8 +70,8 @@ def measure(nvfp4: bool, batch: int, tokens: int, repeats: int) -> dict[str, flo
 
     from trl_qerl.data import tiny_assets
     from trl_qerl.noise import NormNoise
-    from trl_qerl.rollout.vllm import VLLMEngine
     from trl_qerl.rollout.vllm_checkpoint import norm_state, save_base_checkpoint, save_vllm_adapter
+    from trl_qerl.rollout.vllm_engine import VLLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets())
     peft, prompts = _peft(nvfp4), _prompts(batch)

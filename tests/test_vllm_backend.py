@@ -23,8 +23,8 @@ from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rewards import completion_text
 from trl_qerl.rollout import vllm as vllm_backend
-from trl_qerl.rollout import vllm_norms
-from trl_qerl.rollout.vllm import VLLMRollout, require_vllm, sampling_options
+from trl_qerl.rollout import vllm_engine, vllm_norms
+from trl_qerl.rollout.vllm import VLLMRollout, sampling_options
 from trl_qerl.rollout.vllm_checkpoint import (
     base_state_dict,
     check_vllm_shapes,
@@ -33,6 +33,8 @@ from trl_qerl.rollout.vllm_checkpoint import (
     save_base_checkpoint,
     save_vllm_adapter,
 )
+from trl_qerl.rollout.vllm_client import ServerError, VLLMServerClient
+from trl_qerl.rollout.vllm_engine import require_vllm
 from trl_qerl.rollout.vllm_norms import (
     DEFAULT_FP32_NORMS,
     LOAD_FORMAT,
@@ -42,14 +44,7 @@ from trl_qerl.rollout.vllm_norms import (
     split_loader_config,
     use_fp32_norms,
 )
-from trl_qerl.rollout.vllm_server import (
-    RequestError,
-    RolloutService,
-    ServerError,
-    VLLMServerClient,
-    make_server,
-    parse_args,
-)
+from trl_qerl.rollout.vllm_server import RequestError, RolloutService, make_server, parse_args
 from trl_qerl.trainer import QeRLGRPOTrainer
 
 
@@ -439,19 +434,19 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.lora", types.SimpleNamespace())
     monkeypatch.setitem(sys.modules, "vllm.lora.request", types.SimpleNamespace(LoRARequest=LoRARequest))
     registered = []
-    monkeypatch.setattr(vllm_backend, "register_loader", lambda: registered.append(True))
+    monkeypatch.setattr(vllm_engine, "register_loader", lambda: registered.append(True))
     return registered
 
 
 def test_engine_configuration_and_sleep_mode_order(fake_vllm, monkeypatch):
-    from trl_qerl.rollout.vllm import VLLMEngine
+    from trl_qerl.rollout.vllm_engine import VLLMEngine
 
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     engine = VLLMEngine("/ckpt", max_lora_rank=32, enable_sleep_mode=True, dtype="bfloat16")
     llm = engine.llm
     assert llm.kwargs["enable_lora"] and llm.kwargs["max_lora_rank"] == 32 and llm.kwargs["max_loras"] == 1
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["skip_tokenizer_init"]
-    assert llm.kwargs["worker_extension_cls"] == "trl_qerl.rollout.vllm.NormWriter"
+    assert llm.kwargs["worker_extension_cls"] == "trl_qerl.rollout.vllm_engine.NormWriter"
     # the AQN / trained norms are made fp32 when vLLM loads the model, by our load format wrapping vLLM's "auto"
     assert fake_vllm == [True] and llm.kwargs["load_format"] == LOAD_FORMAT
     assert llm.kwargs["model_loader_extra_config"] == {"fp32_norms": list(DEFAULT_FP32_NORMS), "load_format": "auto"}
@@ -471,7 +466,7 @@ def test_engine_configuration_and_sleep_mode_order(fake_vllm, monkeypatch):
 
 
 def test_norm_writer_refuses_unknown_names_and_shapes():
-    from trl_qerl.rollout.vllm import copy_parameters
+    from trl_qerl.rollout.vllm_engine import copy_parameters
 
     model = tiny_model("qwen2", dtype=torch.float32)
     value = torch.full((64,), 0.5)
@@ -622,7 +617,7 @@ def test_registered_loader_upcasts_after_the_wrapped_loader(monkeypatch):
 
 
 def test_norm_writes_keep_fp32_and_report_what_a_16bit_norm_drops(caplog):
-    from trl_qerl.rollout.vllm import copy_parameters
+    from trl_qerl.rollout.vllm_engine import copy_parameters
 
     model = tiny_model("qwen2", dtype=torch.bfloat16)
     norm_class = type(model.model.norm)
@@ -630,12 +625,12 @@ def test_norm_writes_keep_fp32_and_report_what_a_16bit_norm_drops(caplog):
     noisy = torch.ones(64) + 1e-4 * torch.randn(64, generator=torch.Generator().manual_seed(0))
     key = "model.layers.0.input_layernorm.weight"
     storage = model.model.layers[0].input_layernorm.weight.data_ptr()
-    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.vllm"):
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.vllm_engine"):
         copy_parameters(model, {key: noisy})
     assert torch.equal(model.model.layers[0].input_layernorm.weight, noisy)  # every bit of the noise
     assert model.model.layers[0].input_layernorm.weight.data_ptr() == storage  # in place: graphs stay valid
     assert not caplog.records
-    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.vllm"):
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.vllm_engine"):
         copy_parameters(
             model, {"model.norm.weight": noisy, "model.layers.0.post_attention_layernorm.weight": torch.ones(64)}
         )
@@ -664,7 +659,7 @@ def test_server_fp32_norm_options_and_the_trainers_check(caplog):
 
 def test_norms_cross_to_an_out_of_process_engine_core_as_safetensors(fake_vllm, monkeypatch):
     """With VLLM_ENABLE_V1_MULTIPROCESSING=1 vLLM decodes tensor arguments of utility calls as lists: bytes instead."""
-    from trl_qerl.rollout.vllm import NormWriter, VLLMEngine
+    from trl_qerl.rollout.vllm_engine import NormWriter, VLLMEngine
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     engine = VLLMEngine("/ckpt", max_lora_rank=8)

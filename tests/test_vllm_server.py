@@ -11,10 +11,9 @@ import torch
 from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 
+from trl_qerl.rollout.vllm_client import ServerError, VLLMServerClient
 from trl_qerl.rollout.vllm_server import (
     RolloutService,
-    ServerError,
-    VLLMServerClient,
     bind_warning,
     checkpoint_norm_shapes,
     make_server,

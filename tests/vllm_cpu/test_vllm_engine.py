@@ -26,10 +26,10 @@ from trl_qerl.lora import get_peft_model, nvfp4_lora_config  # noqa: E402
 from trl_qerl.noise import NormNoise  # noqa: E402
 from trl_qerl.norms import active_module  # noqa: E402
 from trl_qerl.rewards import accuracy_reward  # noqa: E402
-from trl_qerl.rollout.vllm import VLLMEngine  # noqa: E402
 from trl_qerl.rollout.vllm_checkpoint import norm_state, save_base_checkpoint, save_vllm_adapter  # noqa: E402
+from trl_qerl.rollout.vllm_client import VLLMServerClient  # noqa: E402
+from trl_qerl.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from trl_qerl.rollout.vllm_norms import DEFAULT_FP32_NORMS, fp32_norm_names  # noqa: E402
-from trl_qerl.rollout.vllm_server import VLLMServerClient  # noqa: E402
 from trl_qerl.trainer import QeRLGRPOTrainer  # noqa: E402
 
 
@@ -262,7 +262,7 @@ def test_a_norm_held_in_bf16_loses_small_noise(bf16, caplog):
     peft, _, engine = bf16
     clean = norm_state(peft)["model.norm.weight"].clone()
     noisy = clean.float() + 1e-4 * torch.randn(clean.shape, generator=torch.Generator().manual_seed(1))
-    with caplog.at_level("WARNING", logger="trl_qerl.rollout.vllm"):
+    with caplog.at_level("WARNING", logger="trl_qerl.rollout.vllm_engine"):
         engine.set_norms({"model.norm.weight": noisy})
     held = engine.llm.apply_model(lambda model: model.model.norm.weight.detach().clone())[0]
     assert held.dtype == torch.bfloat16 and torch.equal(held, clean)
@@ -291,7 +291,7 @@ def test_fp32_norms_under_torch_compile_take_in_place_writes(tmp_path, tokenizer
     without LoRA, so this builds a plain ``vllm.LLM`` with our load format."""
     from vllm import LLM, SamplingParams
 
-    from trl_qerl.rollout.vllm import copy_parameters
+    from trl_qerl.rollout.vllm_engine import copy_parameters
     from trl_qerl.rollout.vllm_norms import loader_options, register_loader
 
     AutoModelForCausalLM.from_pretrained(tiny_assets(), dtype=torch.bfloat16).save_pretrained(tmp_path)

