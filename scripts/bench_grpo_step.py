@@ -28,6 +28,7 @@ from model_shapes import NAMES, qwen25_config, synthetic_tokenizer, write_checkp
 from transformers import AutoModelForCausalLM
 
 from trl_qerl.config import QeRLConfig
+from trl_qerl.lora import nvfp4_lora_config
 from trl_qerl.trainer import QeRLGRPOTrainer
 
 
@@ -58,7 +59,6 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
         per_device_train_batch_size=args.batch,
         num_generations=args.num_generations or args.batch,
         max_completion_length=args.completion_tokens,
-        lora_r=args.lora_r,
         learning_rate=1e-5,
         bf16=cuda,
         use_cpu=not cuda,
@@ -76,6 +76,7 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
         args=config,
         train_dataset=prompts(args.batch, args.prompt_tokens, tokenizer.vocab_size),
         processing_class=tokenizer,
+        peft_config=None if mode == "none" else nvfp4_lora_config(r=args.lora_r),
     )
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     weight_bytes = sum(t.numel() * t.element_size() for t in base.parameters() if not t.requires_grad)

@@ -25,6 +25,7 @@ from model_shapes import NAMES, qwen25_config, synthetic_tokenizer
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_qerl.config import QeRLConfig
+from trl_qerl.lora import nvfp4_lora_config
 from trl_qerl.trainer import QeRLGRPOTrainer
 
 
@@ -84,7 +85,6 @@ def main() -> None:
             per_device_train_batch_size=4,
             num_generations=4,
             max_completion_length=32,
-            lora_r=32,
             learning_rate=1e-5,
             bf16=True,
             use_cpu=not cuda,
@@ -100,6 +100,7 @@ def main() -> None:
         ),  # fmt: skip
         train_dataset=Dataset.from_dict({"prompt": rows}),
         processing_class=tokenizer,
+        peft_config=nvfp4_lora_config(r=32),
     )
     del model
     dtypes = sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad})

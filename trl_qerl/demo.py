@@ -208,6 +208,7 @@ def _run_demo(
 
     from .config import QeRLConfig
     from .data import tiny_arithmetic_dataset, tiny_assets
+    from .lora import nvfp4_lora_config
     from .rewards import accuracy_reward
     from .trainer import QeRLGRPOTrainer
 
@@ -224,7 +225,6 @@ def _run_demo(
         max_completion_length=DEMO_DEFAULTS["max_completion_length"],
         learning_rate=learning_rate,
         lr_scheduler_type="constant",
-        lora_r=DEMO_DEFAULTS["lora_r"],
         train_norms=DEMO_DEFAULTS["train_norms"],
         aqn_schedule=aqn_schedule,
         temperature=temperature,
@@ -245,6 +245,9 @@ def _run_demo(
         args=args,
         train_dataset=tiny_arithmetic_dataset("train"),
         processing_class=tokenizer,
+        peft_config=None
+        if quantization == "none"
+        else nvfp4_lora_config(r=DEMO_DEFAULTS["lora_r"], train_norms=DEMO_DEFAULTS["train_norms"]),
         callbacks=[_live_progress()] if verbose else None,
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; the bar shows the live line instead
