@@ -5,6 +5,10 @@ of the base model that an adapter or checkpoint was trained on.
   whole checkpoint is written) has put ``qerl_checkpoint.json`` into it; a process killed while saving leaves no
   marker, and `last_complete_checkpoint` skips such a directory with a warning instead of crashing on it.
   Checkpoints written without the callback count as complete when their ``trainer_state.json`` exists.
+* A whole exported checkpoint (`trl-qerl quantize`, `merge_and_export`) is written by `atomic_directory`: into a
+  temporary directory beside the target, renamed into place when complete, so the target holds the old checkpoint
+  or the whole new one, never a mix; `check_output_dir` refuses a target that is a file, the input itself, or a
+  non-empty directory (unless overwriting is asked for) before any work is done.
 * Every save records the base model's fingerprint (``qerl_base.json``): a hash of the input embedding, which no
   mode quantises, with the architecture's shapes. Resuming onto another base raises; loading an adapter onto one
   warns (applying an adapter to a sibling model can be deliberate).
@@ -17,7 +21,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,64 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def check_output_dir(
+    output_dir: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), overwrite: bool = False
+) -> Path:
+    """Refuse, before any work, an output directory that would lose data or report a false success: an existing
+    file, one of the ``inputs`` (or a directory inside or around one), a non-empty directory unless ``overwrite``,
+    or a parent that cannot be written. Returns the path."""
+    output = Path(output_dir)
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"{output} is an existing file, not a directory; give a directory path for the checkpoint.")
+    resolved = output.resolve()
+    for source in inputs:
+        source = Path(source)
+        if not source.exists():
+            continue  # a Hub id
+        source = source.resolve()
+        if resolved == source or source in resolved.parents or resolved in source.parents:
+            raise ValueError(
+                f"The output {output} would overwrite the input {source}; write the checkpoint to a new directory."
+            )
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ValueError(
+            f"{output} exists and is not empty; choose a new directory, or overwrite it (--overwrite / "
+            "overwrite=True): its whole content is then replaced."
+        )
+    parent = resolved.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"Cannot write into {parent}; choose an output directory you can write to.")
+    return output
+
+
+@contextmanager
+def atomic_directory(output_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``output_dir``; when the block ends without an exception it
+    replaces ``output_dir`` (whatever was there goes), otherwise it is removed. A process killed inside the block
+    leaves ``output_dir`` untouched and a ``.<name>.partial-*`` directory, which the next call removes."""
+    output = Path(output_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for orphan in output.parent.glob(f".{output.name}.partial-*"):
+        shutil.rmtree(orphan, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        yield staging
+        staging.chmod(0o755)  # mkdtemp's 0700 would make the checkpoint private to this user
+        if output.exists():
+            # a directory cannot be renamed over a non-empty one: move the old one aside, then drop it
+            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            os.replace(output, retired / output.name)
+            os.replace(staging, output)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, output)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 class CheckpointMarker(TrainerCallback):

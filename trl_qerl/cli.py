@@ -144,6 +144,10 @@ class QuantizeArguments:
         default=None,
         metadata={"help": "Extra Linear layers kept in 16-bit (names, suffixes, 're:' regex)", "aliases": ["--keep"]},
     )
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "Replace a non-empty output directory (its whole content: stale shards never linger)."},
+    )
 
 
 def make_parser(command: str):
@@ -204,6 +208,8 @@ def _train(argv: Sequence[str]) -> int:
     from .rewards import REWARDS, make_length_penalty
     from .trainer import QeRLGRPOTrainer
 
+    if isinstance(script_args.reward_funcs, str):  # a YAML scalar: one reward, never its characters
+        script_args.reward_funcs = [script_args.reward_funcs]
     unknown = [name for name in script_args.reward_funcs if name != "length" and name not in REWARDS]
     if unknown:
         parser.error(f"unknown reward {unknown[0]!r}; choose from {sorted(REWARDS) + ['length']}")
@@ -253,7 +259,7 @@ def _eval(argv: Sequence[str]) -> int:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, device_map=device_map, dtype=dtype)
     if args.adapter:
         model = load_adapter(model, args.adapter)
-    tokenizer = AutoTokenizer.from_pretrained(args.adapter or args.model_name_or_path, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(args), padding_side="left")
     if dataset_name == "tiny":
         dataset = tiny_arithmetic_dataset(args.dataset_test_split, limit=args.max_eval_samples)
     else:
@@ -270,24 +276,50 @@ def _eval(argv: Sequence[str]) -> int:
     return 0
 
 
+def _tokenizer_source(args: EvalArguments) -> str:
+    """The adapter's tokenizer when it ships one (chat template included), else the base model's."""
+    from pathlib import Path
+
+    if args.adapter and (Path(args.adapter) / "tokenizer_config.json").is_file():
+        return args.adapter
+    if args.adapter and not Path(args.adapter).is_dir():  # a Hub id: it may ship one
+        from huggingface_hub import file_exists
+
+        try:
+            if file_exists(args.adapter, "tokenizer_config.json"):
+                return args.adapter
+        except Exception as error:  # offline, private, ...: the base's tokenizer is a safe choice
+            print(f"note: cannot check {args.adapter} for a tokenizer ({error}); using the base model's")
+    return args.model_name_or_path
+
+
 def _quantize(argv: Sequence[str]) -> int:
     args = parse_quantize_arguments(argv)
 
     import torch
     from transformers import AutoTokenizer
 
+    from .checkpoints import atomic_directory, check_output_dir
     from .loading import from_pretrained
     from .quantizer import NVFP4A16Config
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {device}, but no CUDA GPU is visible here; use --device cpu (slower).")
+    try:  # before any work: a refused output costs nothing
+        check_output_dir(args.output_dir, inputs=[args.model_name_or_path], overwrite=args.overwrite)
+    except (ValueError, PermissionError) as error:
+        raise SystemExit(f"error: {error}") from None
     config = NVFP4A16Config(modules_to_not_convert=args.modules_to_not_convert)
     model = from_pretrained(args.model_name_or_path, quantization_config=config, device_map=device)
-    model.save_pretrained(args.output_dir)
-    try:
-        AutoTokenizer.from_pretrained(args.model_name_or_path).save_pretrained(args.output_dir)
-    except (OSError, ValueError):
-        print(f"note: no tokenizer found next to {args.model_name_or_path}; copy it to {args.output_dir} yourself")
-    print(f"wrote NVFP4 checkpoint to {args.output_dir}")
+    with atomic_directory(args.output_dir) as staging:  # the output appears only once complete
+        model.save_pretrained(staging)
+        try:
+            AutoTokenizer.from_pretrained(args.model_name_or_path).save_pretrained(staging)
+        except (OSError, ValueError):
+            print(f"note: no tokenizer found next to {args.model_name_or_path}; copy it to {args.output_dir} yourself")
+    kept = ", ".join(config.ignore) or "none"
+    print(f"wrote NVFP4 checkpoint to {args.output_dir} (kept in 16-bit: {kept})")
     return 0
 
 

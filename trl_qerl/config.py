@@ -318,6 +318,8 @@ class QeRLConfig(GRPOConfig):
             )
         for name, default in LORA_DEFAULTS.items():
             setattr(self, name, passed.get(name, default))
+        if isinstance(self.aqn_targets, str):  # a YAML scalar or a bare name: one target, never its characters
+            self.aqn_targets = [self.aqn_targets]
         if self.aqn_schedule is False or self.aqn_schedule == "false":  # YAML 1.1 reads a bare `off` as False
             self.aqn_schedule = "off"
         # one switch for every backend: TRL's own flag follows ours (TRL reads it on its vLLM path only)
@@ -335,7 +337,7 @@ class QeRLConfig(GRPOConfig):
                     f"The vLLM backend serves NVFP4 or 16-bit bases with LoRA; quantization={self.quantization!r} "
                     "cannot use it. Use quantization='nvfp4' or 'bf16', or rollout_backend='auto'."
                 )
-        _check_lora_rank(self.quantization, self.lora_r)
+        _check_lora(self.quantization, self.lora_r, self.lora_alpha, self.lora_dropout)
         if self.max_steps == 0:
             raise ValueError("max_steps=0 would train nothing; set max_steps > 0, or -1 to train num_train_epochs.")
         self.aqn_noise_schedule()  # validates the AQN fields
@@ -429,7 +431,7 @@ def apply_model_config(args: QeRLConfig, model_args: ModelConfig) -> QeRLConfig:
     ]
     if unsupported:
         raise ValueError(f"QeRLGRPOTrainer does not support these ModelConfig options: {'; '.join(unsupported)}.")
-    _check_lora_rank(args.quantization, model_args.lora_r)
+    _check_lora(args.quantization, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout)
     for name in LORA_DEFAULTS:
         setattr(args, name, getattr(model_args, name))
     loading = {
@@ -443,9 +445,17 @@ def apply_model_config(args: QeRLConfig, model_args: ModelConfig) -> QeRLConfig:
     return args
 
 
-def _check_lora_rank(quantization: str, lora_r: Any) -> None:
-    if quantization != "none" and (not isinstance(lora_r, int) or isinstance(lora_r, bool) or lora_r <= 0):
+def _check_lora(quantization: str, lora_r: Any, lora_alpha: Any, lora_dropout: Any) -> None:
+    """LoRA settings checked when the config is made, before any model is loaded."""
+    if quantization == "none":
+        return
+    if not isinstance(lora_r, int) or isinstance(lora_r, bool) or lora_r <= 0:
         raise ValueError(f"lora_r must be a positive integer, got {lora_r!r}.")
+    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))
+                                   or lora_alpha <= 0):  # fmt: skip
+        raise ValueError(f"lora_alpha must be a positive number (or None for 2 * lora_r), got {lora_alpha!r}.")
+    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
+        raise ValueError(f"lora_dropout is a probability in [0, 1), got {lora_dropout!r} (the paper uses 0).")
 
 
 def _has_accelerator() -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -32,6 +33,7 @@ from peft import get_peft_model as peft_get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
+from .checkpoints import atomic_directory, check_base_fingerprint, check_output_dir
 from .nvfp4.linear import MERGE_REFUSAL, NVFP4A16Linear, NVFP4WeightError
 from .quantizer import NVFP4A16Config
 
@@ -208,8 +210,11 @@ def load_adapter(
     model: nn.Module, adapter_path: str | os.PathLike, is_trainable: bool = False, **kwargs: Any
 ) -> PeftModel:
     """Load a saved LoRA adapter onto an NVFP4 (or 16-bit) base model with `LoraNVFP4Linear` on NVFP4 layers.
-    (Plain ``PeftModel.from_pretrained`` works too, with PEFT's ``lora.Linear``.)"""
+    (Plain ``PeftModel.from_pretrained`` works too, with PEFT's ``lora.Linear``.) An adapter saved by trl-qerl
+    records its base model's fingerprint; loading it onto a different base logs a warning."""
     config = register_nvfp4_lora(LoraConfig.from_pretrained(str(adapter_path)))
+    if Path(adapter_path).is_dir():
+        check_base_fingerprint(adapter_path, model, strict=False)
     return PeftModel.from_pretrained(model, str(adapter_path), config=config, is_trainable=is_trainable, **kwargs)
 
 
@@ -220,6 +225,7 @@ def merge_and_export(
     export_format: Literal["bf16", "nvfp4"] = "bf16",
     dtype: torch.dtype = torch.bfloat16,
     quantization_config: NVFP4A16Config | None = None,
+    overwrite: bool = False,
     **load_kwargs: Any,
 ) -> str:
     """Merge LoRA adapters (and trained norms) into the 16-bit master weights and save a checkpoint.
@@ -232,6 +238,8 @@ def merge_and_export(
         export_format: ``"bf16"`` for a 16-bit checkpoint, ``"nvfp4"`` for a fresh compressed-tensors NVFP4 one.
         dtype: dtype of the 16-bit master weights.
         quantization_config: options for the NVFP4 export.
+        overwrite: replace a non-empty ``output_dir`` (otherwise refused before any work). The checkpoint is
+            written beside it and renamed into place once complete (`trl_qerl.checkpoints.atomic_directory`).
         **load_kwargs: passed to ``from_pretrained`` of the base (``device_map``, ``trust_remote_code``, ...).
 
     Returns:
@@ -251,6 +259,7 @@ def merge_and_export(
         raise ValueError(
             f"{source} is a quantised checkpoint; merging needs the 16-bit master weights (base_model=...)."
         )
+    check_output_dir(output_dir, inputs=[source], overwrite=overwrite)
     with tempfile.TemporaryDirectory() as adapter_dir:
         model.save_pretrained(adapter_dir, selected_adapters=[adapter_name])
         dense = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **load_kwargs)
@@ -259,11 +268,13 @@ def merge_and_export(
         )
         merged = merged.merge_and_unload()
     if export_format == "bf16":
-        merged.save_pretrained(output_dir)
+        with atomic_directory(output_dir) as staging:
+            merged.save_pretrained(staging)
         return str(output_dir)
     with tempfile.TemporaryDirectory() as dense_dir:
         merged.save_pretrained(dense_dir)
         del merged
         quantized = from_pretrained(dense_dir, quantization_config=quantization_config, dtype=dtype, **load_kwargs)
-        quantized.save_pretrained(output_dir)
+        with atomic_directory(output_dir) as staging:
+            quantized.save_pretrained(staging)
     return str(output_dir)

@@ -63,24 +63,20 @@ class NVFP4A16Config(QuantizationConfigMixin):
         if quant_method != QUANT_METHOD:
             raise ValueError(f"{type(self).__name__} got quant_method={quant_method!r}, expected {QUANT_METHOD!r}.")
         self.quant_method = QUANT_METHOD
-        self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
-        groups = DEFAULT_SHARED_SCALE_GROUPS if shared_scale_groups is None else shared_scale_groups
-        self.shared_scale_groups = [list(group) for group in groups]
-        self.targets = list(targets) if targets is not None else ["Linear"]
-        self.ignore = list(ignore) if ignore is not None else []
+        self.modules_to_not_convert = modules_to_not_convert
+        self.shared_scale_groups = DEFAULT_SHARED_SCALE_GROUPS if shared_scale_groups is None else shared_scale_groups
+        self.targets = targets if targets is not None else ["Linear"]
+        self.ignore = ignore
         if kwargs:
             raise ValueError(f"{type(self).__name__} got unknown arguments {sorted(kwargs)}.")
         self._check()
 
     def _check(self) -> None:
+        """Normalise the list fields (also after `from_dict` overrides): a bare string is one name."""
         for name in ("modules_to_not_convert", "targets", "ignore"):
-            value = getattr(self, name)
-            if value is not None and not all(isinstance(item, str) for item in value):
-                raise ValueError(f"{type(self).__name__}.{name} must be a list of strings, got {value!r}.")
-        if not all(isinstance(m, str) for group in self.shared_scale_groups for m in group):
-            raise ValueError(
-                f"{type(self).__name__}.shared_scale_groups must be lists of names, got {self.shared_scale_groups}."
-            )
+            setattr(self, name, _names(getattr(self, name), name))
+        self.ignore = self.ignore or []
+        self.shared_scale_groups = _groups(self.shared_scale_groups)
 
     def to_dict(self) -> dict[str, Any]:
         """The compressed-tensors config that `save_pretrained` writes to config.json."""
@@ -142,6 +138,25 @@ class NVFP4A16Config(QuantizationConfigMixin):
         check_compressed_tensors_config(config)
         group = next(iter(config["config_groups"].values()))
         return cls(targets=group.get("targets", ["Linear"]), ignore=config.get("ignore") or [], **overrides)
+
+
+def _names(value: str | Sequence[str] | None, field: str) -> list[str] | None:
+    """A list of module names; a bare string is one name (never split into characters)."""
+    if value is None or isinstance(value, str):
+        return None if value is None else [value]
+    if not all(isinstance(item, str) for item in value):
+        raise ValueError(f"NVFP4A16Config.{field} must be a list of strings, got {value!r}.")
+    return list(value)
+
+
+def _groups(value: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Groups of sibling names; a flat list of names is refused (is it one group or several?)."""
+    if isinstance(value, str) or any(isinstance(group, str) for group in value):
+        raise ValueError(
+            f"NVFP4A16Config.shared_scale_groups is a list of groups, e.g. [['q_proj', 'k_proj', 'v_proj'], "
+            f"['gate_proj', 'up_proj']]; got {value!r}. Wrap names that share one global scale in their own list."
+        )
+    return [_names(group, "shared_scale_groups") for group in value]
 
 
 def check_compressed_tensors_config(config: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ Checked against transformers 5.17 and 5.24 (quantizer API: `param_needs_quantiza
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -137,6 +138,14 @@ class NVFP4A16HfQuantizer(HfQuantizer):
                 stacklevel=3,
             )
         config.ignore = sorted(set(ignored + unaligned))
+        _warn_unmatched(model, config.modules_to_not_convert or ())
+        if not converted:
+            raise ValueError(
+                f"No Linear layer of this {type(model).__name__} can be quantised to NVFP4 (kept in 16-bit: "
+                f"{len(config.ignore)} by modules_to_not_convert/ignore or in_features not a multiple of "
+                f"{GROUP_SIZE}); the model would be 16-bit while calling itself NVFP4. Load it without "
+                "NVFP4A16Config, or keep fewer layers."
+            )
         return converted
 
     def _nvfp4_placeholder(self, linear: nn.Linear) -> NVFP4A16Linear:
@@ -198,10 +207,20 @@ class NVFP4A16HfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         problems = dict(self._errors)
+        waiting = {}  # loaded, but a sibling sharing its global scale never completed the group
         for group, pending in self._pending.items():
             for name in group:
-                if name not in pending and name not in problems:
+                if name in pending:
+                    waiting[name] = [sibling for sibling in group if sibling not in pending]
+                elif name not in problems:
                     problems[name] = f"{name}: no weight in the checkpoint (missing tensor or shard)."
+        for name, siblings in waiting.items():
+            failed = [sibling for sibling in siblings if sibling in self._errors]
+            problems[name] = (
+                f"{name}: not quantised because {', '.join(failed or siblings)}, which "
+                f"{'shares' if len(failed or siblings) == 1 else 'share'} its global scale, "
+                f"{'could not be quantised (above)' if failed else 'has no weight in the checkpoint'}."
+            )
         for name, layer in nvfp4_modules(model).items():
             if name in problems:
                 continue
@@ -232,6 +251,21 @@ class NVFP4A16HfQuantizer(HfQuantizer):
         return model
 
 
+def _warn_unmatched(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Warn about (and return) ``modules_to_not_convert`` patterns that match no Linear layer: a typo would
+    otherwise quantise the layer the user meant to keep."""
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    unmatched = [pattern for pattern in patterns if not any(matches(n, m, [pattern]) for n, m in linears)]
+    if unmatched:
+        examples = ", ".join(name for name, _ in linears[:3])
+        warnings.warn(
+            f"modules_to_not_convert pattern(s) {unmatched} match no Linear layer (names look like {examples}; a "
+            "pattern is a name, a suffix such as 'o_proj', a class name, or 're:<regex>').",
+            stacklevel=4,
+        )
+    return unmatched
+
+
 def quantize_model(model, config: NVFP4A16Config | None = None):
     """Quantise an already-loaded 16-bit transformers model to NVFP4 in place and return it.
 
@@ -252,6 +286,21 @@ def quantize_model(model, config: NVFP4A16Config | None = None):
     config = config or NVFP4A16Config()
     dense = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     quantizer = NVFP4A16HfQuantizer(config, pre_quantized=False)
+    # Every weight is checked before the first layer is swapped: a bad layer found half-way would leave a model
+    # that is partly NVFP4 and partly 16-bit.
+    problems = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # `preprocess_model` selects again, and warns then
+        selected = quantizer.select_linears(model)
+    for name in selected:
+        try:
+            check_quantizable(dense[name].weight.detach(), name)
+        except ValueError as error:
+            problems.append(str(error))
+    if problems:
+        raise ValueError(
+            f"Cannot quantise {len(problems)} layer(s); the model is unchanged:\n  " + "\n  ".join(problems)
+        )
     quantizer.preprocess_model(model)
     converted = {name: linear for name, linear in dense.items() if model.get_submodule(name) is not linear}
     del dense

@@ -19,12 +19,25 @@ SAFETENSORS_DTYPES = {
 
 
 def check_safetensors_only(checkpoint_files: Sequence[str] | None) -> None:
+    """Refuse pickled weight files, and name any safetensors file whose header is unreadable or promises more
+    bytes than the file holds (a truncated download or copy)."""
+    from safetensors import SafetensorError, safe_open
+
     pickled = [f for f in checkpoint_files or [] if not str(f).endswith(".safetensors")]
     if pickled:
         raise ValueError(
             f"trl-qerl reads weights from safetensors only and will not unpickle {pickled}. Convert the checkpoint "
             "with `model.save_pretrained(path, safe_serialization=True)` in a trusted environment first."
         )
+    for path in checkpoint_files or []:
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except SafetensorError as error:  # a missing file raises FileNotFoundError, which names it
+            raise ValueError(
+                f"{path} is not a complete safetensors file ({error}); it was probably truncated while downloading "
+                "or copying. Fetch or copy it again."
+            ) from None
 
 
 def check_checkpoint_tensors(checkpoint_files: Sequence[str], layers: dict[str, NVFP4A16Linear]) -> None:
