@@ -43,6 +43,7 @@ from .lora import get_peft_model, nvfp4_lora_config, register_nvfp4_lora
 from .noise import AQNCallback
 from .norms import keep_fp32_trainable_norms
 from .nvfp4.linear import exclude_packed_tensors_from_ddp
+from .replica_check import ReplicaCheck
 from .rollout import make_rollout_backend
 
 
@@ -207,6 +208,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             args.use_vllm, args.model_init_kwargs = use_vllm, model_init_kwargs
         _refuse_sharded_parameters(self, self.aqn_callback.schedule)
         self.add_callback(CheckpointMarker())
+        self.add_callback(ReplicaCheck())  # data-parallel ranks stay identical (a no-op on one process)
         # First in line, so that reporting callbacks see aqn/sigma in the logs it adds
         self.callback_handler.callbacks.insert(0, self.aqn_callback)
         self.aqn_callback.attach(self.model, seed=args.seed, rank=self.accelerator.process_index)
