@@ -30,6 +30,9 @@ from pathlib import Path
 DATASET_KINDS = ["auto", "gsm8k", "math", "tiny"]
 
 
+DEFAULT_REWARDS = ["accuracy", "format"]
+
+
 @dataclass
 class QeRLScriptArguments:
     """What `trl-qerl train` trains on: data and rewards. The model and LoRA options are TRL's `ModelConfig`
@@ -37,10 +40,11 @@ class QeRLScriptArguments:
 
     Parameters:
         dataset_name (`str`, *optional*):
-            Hub dataset (`"openai/gsm8k"`, ...), a local json/jsonl/parquet file, or `"tiny"` for the shipped
-            arithmetic task. Required, except with the shipped tiny model, which defaults to `"tiny"`.
+            Hub dataset (`"openai/gsm8k"`, ...), a local json/jsonl/parquet file, `"reasoning-gym:<task>"` (a
+            procedural reasoning-gym task, offline), or `"tiny"` for the shipped arithmetic task. Required, except
+            with the shipped tiny model, which defaults to `"tiny"`.
         dataset_config (`str`, *optional*):
-            Hub dataset configuration (`"main"` for GSM8K).
+            Hub dataset configuration (`"main"` for GSM8K); for reasoning-gym, the task's options as JSON.
         dataset_train_split (`str`, *optional*, defaults to `"train"`):
             Split to train on.
         dataset_kind (`str`, *optional*, defaults to `"auto"`):
@@ -51,17 +55,24 @@ class QeRLScriptArguments:
         system_prompt (`str`, *optional*):
             System prompt. If `None`, the R1-style one (`trl_qerl.data.SYSTEM_PROMPT`).
         reward_funcs (`list[str]`, *optional*, defaults to `["accuracy", "format"]`):
-            Reward functions by name: `"accuracy"`, `"format"`, `"length"` (DAPO's overlong penalty).
+            Reward functions by name: `"accuracy"`, `"format"`, `"length"` (DAPO's overlong penalty),
+            `"reasoning_gym"` (the task's own scorer, the default for reasoning-gym datasets).
     """
 
     dataset_name: str | None = field(
         default=None,
         metadata={
-            "help": "Hub dataset ('openai/gsm8k', ...), a local json/jsonl/parquet file, or 'tiny' for the "
-            "shipped arithmetic task. Required, except with the shipped tiny model."
+            "help": "Hub dataset ('openai/gsm8k', ...), a local json/jsonl/parquet file, 'reasoning-gym:<task>' "
+            "(procedural, offline), or 'tiny' for the shipped arithmetic task. Required, except with the shipped "
+            "tiny model."
         },  # fmt: skip
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration ('main' for GSM8K)"})
+    dataset_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub dataset configuration ('main' for GSM8K); for reasoning-gym, the task's options as JSON"
+        },
+    )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_kind: str = field(
         default="auto",
@@ -74,8 +85,11 @@ class QeRLScriptArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training rows."})
     system_prompt: str | None = field(default=None, metadata={"help": "System prompt (default: the R1-style one)."})
     reward_funcs: list[str] = field(
-        default_factory=lambda: ["accuracy", "format"],
-        metadata={"help": "Reward functions by name: 'accuracy', 'format', 'length' (DAPO overlong penalty)."},
+        default_factory=lambda: list(DEFAULT_REWARDS),
+        metadata={
+            "help": "Reward functions by name: 'accuracy', 'format', 'length' (DAPO overlong penalty), "
+            "'reasoning_gym' (the task's own scorer; the default for reasoning-gym:<task> datasets)."
+        },
     )
 
 
@@ -205,16 +219,21 @@ def _train(argv: Sequence[str]) -> int:
         parser.error(str(error))
 
     from .data import SYSTEM_PROMPT, build_math_dataset, tiny_arithmetic_dataset
+    from .reasoning_gym import is_reasoning_gym, reasoning_gym_reward
     from .rewards import REWARDS, make_length_penalty
     from .trainer import QeRLGRPOTrainer
 
     if isinstance(script_args.reward_funcs, str):  # a YAML scalar: one reward, never its characters
         script_args.reward_funcs = [script_args.reward_funcs]
-    unknown = [name for name in script_args.reward_funcs if name != "length" and name not in REWARDS]
+    available = {**REWARDS, "reasoning_gym": reasoning_gym_reward}
+    if is_reasoning_gym(dataset_name) and list(script_args.reward_funcs) == DEFAULT_REWARDS:
+        print("note: reasoning-gym dataset: rewarding with the task's own scorer (--reward_funcs reasoning_gym)")
+        script_args.reward_funcs = ["reasoning_gym"]
+    unknown = [name for name in script_args.reward_funcs if name != "length" and name not in available]
     if unknown:
-        parser.error(f"unknown reward {unknown[0]!r}; choose from {sorted(REWARDS) + ['length']}")
+        parser.error(f"unknown reward {unknown[0]!r}; choose from {sorted(available) + ['length']}")
     rewards = [
-        make_length_penalty(training_args.max_completion_length) if name == "length" else REWARDS[name]
+        make_length_penalty(training_args.max_completion_length) if name == "length" else available[name]
         for name in script_args.reward_funcs
     ]
     if dataset_name == "tiny":

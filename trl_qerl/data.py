@@ -6,13 +6,15 @@ Builders accept a Hub dataset name or a local json / jsonl / parquet file, and r
 * GSM8K: ``question`` + ``answer`` ending in ``#### 42``;
 * MATH / MATH-500 / BigMath / DAPO-style: ``problem`` (or ``prompt``) + ``solution`` with a ``\\boxed{}`` answer, or
   an ``answer`` column;
-* the shipped tiny arithmetic task: ``question`` + ``answer``.
+* the shipped tiny arithmetic task: ``question`` + ``answer``;
+* ``"reasoning-gym:<task>"``: a procedural reasoning-gym task (`trl_qerl.reasoning_gym`).
 
 A dataset of the wrong shape gets an error naming the missing column and the columns it has.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from importlib import resources
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Literal
 
 from datasets import Dataset, DatasetDict, load_dataset
 
+from .reasoning_gym import build_reasoning_gym_dataset, is_reasoning_gym
 from .rewards import extract_boxed, extract_gsm8k_answer
 
 
@@ -99,8 +102,9 @@ def build_math_dataset(
     """A GRPO-ready dataset (``prompt`` chat messages + ``answer``) from GSM8K, MATH-style or local data.
 
     Args:
-        name_or_path: Hub id (``"openai/gsm8k"`` with ``subset="main"``, ``"HuggingFaceH4/MATH-500"``, ...) or a local
-            file / directory.
+        name_or_path: Hub id (``"openai/gsm8k"`` with ``subset="main"``, ``"HuggingFaceH4/MATH-500"``, ...), a local
+            file / directory, or ``"reasoning-gym:<task>"`` (procedural, offline; ``subset`` is then the task's
+            options as JSON and ``limit`` the number of problems, default 1000; see `trl_qerl.reasoning_gym`).
         split: which split to read.
         kind: how to read the answer: ``"gsm8k"`` (``#### 42``), ``"math"`` (``\\boxed{}`` in ``solution``),
             ``"tiny"`` (plain), or ``"auto"`` (``"math"`` when there is a ``solution`` column).
@@ -109,6 +113,12 @@ def build_math_dataset(
         subset: Hub configuration name.
         limit: keep only the first rows.
     """
+    if is_reasoning_gym(name_or_path):
+        config = json.loads(subset) if subset else {}
+        if not isinstance(config, dict):
+            raise ValueError(f"For reasoning-gym, subset is the task's options as a JSON object; got {subset!r}.")
+        kwargs = {} if system_prompt == SYSTEM_PROMPT else {"system_prompt": system_prompt}
+        return build_reasoning_gym_dataset(str(name_or_path), split=split, size=limit or 1000, **kwargs, **config)
     source = load_source(name_or_path, split=split, subset=subset)
     if limit is not None:
         source = source.select(range(min(limit, len(source))))
