@@ -2,7 +2,7 @@
 
 The shipped tiny model samples at 0.03-0.05 nats per token, so noise in its weights barely changes its rollouts
 (BENCHMARKS.md). This script builds one whose samples at temperature 1 carry >= 0.3 nats per completion token and
-whose accuracy RL can move, on reasoning-gym's ``chain_sum`` (3-4 one-digit terms, scored by the task itself):
+whose accuracy RL can move, on reasoning-gym's ``chain_sum`` (3-4 terms of one digit, or up to two; scored by the task itself):
 
 * ``data`` (needs reasoning-gym): the held-out test problems (reasoning-gym's test seed), and supervised
   demonstrations of fresh training problems (never a test problem). Each demonstration is a varied but valid chain
@@ -17,6 +17,7 @@ whose accuracy RL can move, on reasoning-gym's ``chain_sum`` (3-4 one-digit term
 
 Usage:
     python scripts/pretrain_explore.py --stages data tokenizer model --output benchmarks/aqn_study/model
+    python scripts/pretrain_explore.py --max-digits 2 --output benchmarks/aqn_study/model-2digit --device cuda
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pretrain_tiny import CHAT_TEMPLATE, MODEL, SPECIAL_TOKENS
 
 
 TASK = "chain_sum"
-TASK_OPTIONS = dict(min_terms=3, max_terms=4, min_digits=1, max_digits=1)
+TASK_OPTIONS = dict(min_terms=3, max_terms=4, min_digits=1, max_digits=1)  # --max-digits changes the last
 SYSTEM_PROMPT = (
     "Solve the problem. Think step by step inside <think> </think>, then write the final answer inside "
     "<answer> </answer>."
@@ -83,6 +84,8 @@ def write_data(output: Path, seed: int, examples: int, test_size: int) -> None:
     import reasoning_gym
 
     output.mkdir(parents=True, exist_ok=True)
+    # the task the model is for: scripts/reproduce_aqn.py reads it
+    (output / "task.json").write_text(json.dumps({"task": TASK, "options": TASK_OPTIONS}, indent=2) + "\n")
     test = reasoning_gym.create_dataset(TASK, size=test_size, seed=seed + 2_000_003, **TASK_OPTIONS)
     held_out = {entry["question"] for entry in test}
     with open(output / "test.jsonl", "w") as handle:
@@ -241,7 +244,9 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-digits", type=int, default=1, help="digits per term (benchmarks/aqn_study: 1 and 2)")
     args = parser.parse_args()
+    TASK_OPTIONS["max_digits"] = args.max_digits
     if "data" in args.stages:
         write_data(args.output, args.seed, args.examples, args.test_size)
     if "tokenizer" in args.stages:

@@ -32,7 +32,6 @@ import torch
 
 
 MODEL = Path(__file__).resolve().parents[1] / "benchmarks" / "aqn_study" / "model"
-TASK_OPTIONS = dict(min_terms=3, max_terms=4, min_digits=1, max_digits=1)  # as pretrain_explore.py
 ARMS = {
     "16-bit LoRA": dict(quantization="bf16", aqn_schedule="off"),
     "NVFP4 LoRA": dict(quantization="nvfp4", aqn_schedule="off"),
@@ -54,11 +53,16 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def held_out_accuracy(model, tokenizer, problems: int) -> float:
+def task(model_dir: Path) -> dict:
+    """The reasoning-gym task and options the model was pretrained for (written by pretrain_explore.py)."""
+    return json.loads((Path(model_dir) / "task.json").read_text())
+
+
+def held_out_accuracy(model, tokenizer, problems: int, spec: dict) -> float:
     """Greedy accuracy on the first ``problems`` held-out problems (the reward's own check)."""
     from trl_qerl.reasoning_gym import build_reasoning_gym_dataset, reasoning_gym_reward
 
-    test = build_reasoning_gym_dataset("chain_sum", split="test", size=problems, **TASK_OPTIONS)
+    test = build_reasoning_gym_dataset(spec["task"], split="test", size=problems, **spec["options"])
     model.eval()
     scores = []
     for start in range(0, problems, 50):
@@ -85,6 +89,7 @@ def run(name: str, settings: dict, seed: int, args, root: Path) -> dict:
     from trl_qerl.trainer import QeRLGRPOTrainer
 
     torch.manual_seed(seed)
+    spec = task(args.model)
     full = settings["quantization"] == "none"
     learning_rate = args.learning_rate / 10 if full else args.learning_rate
     prompts = args.steps * args.batch // args.generations
@@ -100,7 +105,7 @@ def run(name: str, settings: dict, seed: int, args, root: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     trainer = QeRLGRPOTrainer(
         str(args.model), reward_funcs=reasoning_gym_reward, args=config, processing_class=tokenizer,
-        train_dataset=build_reasoning_gym_dataset("chain_sum", size=prompts, seed=seed, **TASK_OPTIONS),
+        train_dataset=build_reasoning_gym_dataset(spec["task"], size=prompts, seed=seed, **spec["options"]),
         peft_config=None if full else nvfp4_lora_config(r=16, train_norms=True),
     )  # fmt: skip
     start = time.perf_counter()
@@ -110,7 +115,7 @@ def run(name: str, settings: dict, seed: int, args, root: Path) -> dict:
     curve = lambda key: [float(entry.get(key, float("nan"))) for entry in logs]  # noqa: E731
     summary = {
         "name": name, "seed": seed, **settings, "learning_rate": learning_rate, "train_seconds": round(seconds, 1),
-        "accuracy_after": held_out_accuracy(trainer.model, tokenizer, args.eval_problems),
+        "accuracy_after": held_out_accuracy(trainer.model, tokenizer, args.eval_problems, spec),
         "reward": curve("reward"), "entropy": curve("entropy"), "sampling_entropy": curve("rollout/sampling_entropy"),
         "sigma": curve("aqn/sigma"),
     }  # fmt: skip
@@ -182,7 +187,7 @@ def main() -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-        before = held_out_accuracy(model, tokenizer, args.eval_problems)
+        before = held_out_accuracy(model, tokenizer, args.eval_problems, task(args.model))
         before_path.write_text(json.dumps({"accuracy": before}))
     print(f"held-out greedy accuracy before RL: {before:.3f}", flush=True)
     arms = {name: {**ARMS, **ABLATION}[name] for name in args.arms}
@@ -193,7 +198,9 @@ def main() -> None:
     text = table(groups, before)
     print(f"\nbefore RL: {before:.3f}\n{text}")
     (args.output / "table.md").write_text(f"held-out greedy accuracy before RL: {before:.3f}\n\n{text}\n")
-    plot(groups, args.output / "curves.png", f"AQN study: chain_sum, {len(args.seeds)} seeds, {args.steps} steps")
+    options = task(args.model)["options"]
+    title = f"AQN study: chain_sum ({options['max_digits']}-digit terms), {len(args.seeds)} seeds, {args.steps} steps"
+    plot(groups, args.output / "curves.png", title)
 
 
 if __name__ == "__main__":
