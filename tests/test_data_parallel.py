@@ -198,3 +198,15 @@ def test_the_accelerate_config_is_valid_and_data_parallel():
     config = load_config_from_file(str(path))
     assert str(config.distributed_type) in ("MULTI_GPU", "DistributedType.MULTI_GPU")
     assert (config.num_machines, config.num_processes, config.use_cpu) == (1, 2, False)
+
+
+def test_sharded_training_is_not_compared():
+    from types import SimpleNamespace
+
+    from trl_qerl.replica_check import shards_parameters
+
+    assert shards_parameters(SimpleNamespace(fsdp="full_shard"))
+    zero3 = SimpleNamespace(fsdp=None, hf_deepspeed_config=SimpleNamespace(is_zero3=lambda: True))
+    assert shards_parameters(zero3)
+    zero2 = SimpleNamespace(fsdp=[], hf_deepspeed_config=SimpleNamespace(is_zero3=lambda: False))
+    assert not shards_parameters(zero2) and not shards_parameters(SimpleNamespace())

@@ -36,11 +36,22 @@ def diverged_tensors(names: list[str], fingerprints: list[torch.Tensor]) -> list
     return [name for name, bad in zip(names, differs.tolist()) if bad]
 
 
+def shards_parameters(args) -> bool:
+    """FSDP and DeepSpeed ZeRO-3 give each rank a different shard of the parameters by design: nothing to compare."""
+    if getattr(args, "fsdp", None):
+        return True
+    deepspeed = getattr(args, "hf_deepspeed_config", None)
+    return bool(deepspeed is not None and deepspeed.is_zero3())
+
+
 class ReplicaCheck(TrainerCallback):
-    """Raise if the data-parallel ranks' trainable weights differ after an optimizer step (see the module doc)."""
+    """Raise if the data-parallel ranks' trainable weights differ after an optimizer step (see the module doc).
+    Under FSDP or ZeRO-3, where ranks hold different shards by design, it does nothing."""
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if model is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        if args is not None and shards_parameters(args):
             return
         names, fingerprint = trainable_fingerprint(model)
         gathered = [torch.empty_like(fingerprint) for _ in range(dist.get_world_size())]
