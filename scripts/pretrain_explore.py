@@ -28,7 +28,7 @@ import random
 import time
 from pathlib import Path
 
-from pretrain_tiny import CHAT_TEMPLATE, MODEL, SPECIAL_TOKENS
+from pretrain_tiny import MODEL, save_tokenizer, supervised_step
 
 
 TASK = "chain_sum"
@@ -111,27 +111,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def write_tokenizer(output: Path, vocab_size: int = 320) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     rows = read_jsonl(output / "demonstrations.jsonl")[:5000]
-    corpus = [SYSTEM_PROMPT] + [row["question"] + "\n" + row["solution"] for row in rows]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                      bos_token=None, padding_side="left", chat_template=CHAT_TEMPLATE)  # fmt: skip
-    wrapped.save_pretrained(output)
-    config_path = output / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # not Qwen2's, which would re-normalise this vocabulary
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
-    print(f"tokenizer: {len(wrapped)} tokens -> {output}")
+    save_tokenizer([SYSTEM_PROMPT] + [row["question"] + "\n" + row["solution"] for row in rows], output, vocab_size)
 
 
 def prompt_ids(tokenizer, question: str) -> list[int]:
@@ -197,29 +178,14 @@ def train_model(output: Path, seed: int, steps: int, learning_rate: float, batch
     start = time.perf_counter()
     model.train()
     for step in range(steps):
-        batch = rows[step * batch_size : (step + 1) * batch_size]
         pairs = []
-        for row in batch:
+        for row in rows[step * batch_size : (step + 1) * batch_size]:
             prompt = prompt_ids(tokenizer, row["question"])
             completion = tokenizer(row["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             pairs.append((prompt + completion, [-100] * len(prompt) + completion))
-        width = max(len(tokens) for tokens, _ in pairs)
-        ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
-        labels = torch.full((len(pairs), width), -100)
-        for row, (tokens, targets) in enumerate(pairs):
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-            labels[row, : len(targets)] = torch.tensor(targets)
-        ids, labels = ids.to(device), labels.to(device)
-        loss = model(
-            input_ids=ids, attention_mask=(labels != -100) | (ids != tokenizer.pad_token_id), labels=labels
-        ).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        loss = supervised_step(model, optimizer, scheduler, pairs, tokenizer.pad_token_id)
         if step % 250 == 0 or step == steps - 1:
-            print(f"step {step}/{steps} loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(f"step {step}/{steps} loss {loss:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
     train_seconds = time.perf_counter() - start
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

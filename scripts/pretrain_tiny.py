@@ -104,11 +104,15 @@ def read_split(output: Path, split: str) -> list[dict]:
 
 
 def write_tokenizer(output: Path, vocab_size: int = 384) -> None:
+    train = read_split(output, "train")
+    save_tokenizer([SYSTEM_PROMPT] + [row["question"] + "\n" + row["solution"] for row in train], output, vocab_size)
+
+
+def save_tokenizer(corpus: list[str], output: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer (digits kept as single tokens) with the chat template, trained on ``corpus``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    train = read_split(output, "train")
-    corpus = [SYSTEM_PROMPT] + [row["question"] + "\n" + row["solution"] for row in train]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -190,6 +194,27 @@ def supervised_examples(tokenizer, count: int, held_out: set[str], seed: int) ->
     return examples
 
 
+def supervised_step(model, optimizer, scheduler, pairs: list[tuple[list[int], list[int]]], pad_id: int) -> float:
+    """One optimizer step on (tokens, labels) pairs, right-padded into a batch on the model's device; the loss."""
+    import torch
+
+    width = max(len(tokens) for tokens, _ in pairs)
+    ids = torch.full((len(pairs), width), pad_id)
+    labels = torch.full((len(pairs), width), -100)
+    for row, (tokens, targets) in enumerate(pairs):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        labels[row, : len(targets)] = torch.tensor(targets)
+    device = next(model.parameters()).device
+    ids, labels = ids.to(device), labels.to(device)
+    loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != pad_id), labels=labels).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def train_model(output: Path, seed: int, steps: int, learning_rate: float, batch_size: int) -> None:
     import time
 
@@ -209,23 +234,10 @@ def train_model(output: Path, seed: int, steps: int, learning_rate: float, batch
     start = time.perf_counter()
     model.train()
     for step in range(steps):
-        picks = range(step * batch_size, (step + 1) * batch_size)
-        width = max(len(examples[i][0]) for i in picks)
-        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        for row, index in enumerate(picks):
-            tokens, targets = examples[index]
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-            labels[row, : len(targets)] = torch.tensor(targets)
-        attention_mask = (labels != -100) | (ids != tokenizer.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        loss = supervised_step(model, optimizer, scheduler, examples[step * batch_size : (step + 1) * batch_size],
+                               tokenizer.pad_token_id)  # fmt: skip
         if step % 200 == 0 or step == steps - 1:
-            print(f"step {step}/{steps} loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(f"step {step}/{steps} loss {loss:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.do_sample = True

@@ -60,9 +60,9 @@ def _reasoning_gym():
 
 
 def _registry() -> list[str]:
+    _reasoning_gym()  # the install hint, before the import below can fail without it
     from reasoning_gym.factory import DATASETS  # the registry `create_dataset` reads (reasoning-gym 0.1.19-0.1.25)
 
-    _reasoning_gym()
     return list(DATASETS)
 
 
