@@ -131,7 +131,8 @@ def test_ops_on_cpu_equal_the_reference():
 
 
 def test_kernel_choice_helpers(tmp_path):
-    assert [K.m_bucket(m) for m in (1, 2, 16, 17, 64, 65, 1000, 10**6)] == [1, 16, 16, 32, 64, 128, 1024, 8192]
+    rows = (1, 2, 8, 9, 16, 17, 64, 65, 1000, 10**6)
+    assert [K.m_bucket(m) for m in rows] == [1, 8, 8, 16, 16, 32, 64, 128, 1024, 8192]
     decode = K.candidate_configs(1, 37888, 3584)
     assert decode and all(isinstance(c, K.FusedConfig) and c.block_m in (1, 16) for c in decode)
     assert any(c.gemv for c in decode) and not any(c.gemv for c in K.candidate_configs(2, 37888, 3584))

@@ -1,25 +1,31 @@
-"""Triton NVFP4 kernels for CUDA (Hopper first), registered as `torch.library` custom ops.
+"""NVFP4 matmul kernels for CUDA, registered as `torch.library` custom ops, and the per-shape choice among them.
 
 A leaf: `trl_qerl.nvfp4.dispatch` imports it the first time CUDA activations reach an NVFP4 layer and registers
-``nvfp4_linear_op`` / ``nvfp4_grad_input_op`` as the CUDA kernels of `NVFP4A16Linear`.
+``nvfp4_linear_op`` / ``nvfp4_grad_input_op`` as the CUDA kernels of `NVFP4A16Linear`;
+``nvfp4_linear_grouped_op`` computes q/k/v (or gate/up) in one launch from their separate weights.
 
 Kernels:
 
-* `_nvfp4_matmul_kernel`: ``out = x @ dequant(W).T`` with the packed E2M1 weights and FP8 block scales read
-  once and dequantised in registers, fp32 accumulation, the global scale applied in the epilogue. It computes
+* the CUDA decode kernel (`cuda_mma`, source `csrc/nvfp4_mma.cu`, compiled at run time by NVRTC, sm_80+): few
+  activation rows, weights read once and dequantised in registers, ``mma.sync`` tensor-core products, split-K
+  inside the CTA (one launch), up to three weights per launch;
+* `_nvfp4_matmul_kernel` (Triton): ``out = x @ dequant(W).T`` with the packed E2M1 weights and FP8 block scales
+  read once and dequantised in registers, fp32 accumulation, the global scale applied in the epilogue. It computes
   the transposed product ``W_tile @ x_tile.T`` so that the weight tile is the register-side MMA operand and a
-  handful of activation rows fill the MMA's narrow dimension (decode); split-K spreads small-N shapes over all
-  multiprocessors, its partial sums reduced by `_splitk_reduce_kernel`.
-* `_dequantize_kernel`: the dense weight, bit-identical to `format.dequantize`, used for large M (dequantise into
-  a temporary, then cuBLAS) and for the backward pass ``grad_out @ dequant(W)``.
+  handful of activation rows fill the MMA's narrow dimension; split-K spreads small-N shapes over all
+  multiprocessors, its partial sums reduced by `_splitk_reduce_kernel`;
+* `_dequantize_kernel` (Triton): the dense weight, bit-identical to `format.dequantize`, used for large M
+  (dequantise into a temporary, then cuBLAS) and for the backward pass ``grad_out @ dequant(W)``.
 
-Each (shape, M bucket, dtype) picks among fused configurations and dequantise+cuBLAS by timing them the first
-time it is seen outside CUDA-graph capture (`NVFP4_AUTOTUNE=0` disables this and uses the heuristic).
+Each (shape, M bucket, dtype) picks among these by timing them as CUDA-graph replays the first time it is seen
+outside CUDA-graph capture (`NVFP4_AUTOTUNE=0` disables this and uses the heuristic; choices timed on known GPUs
+ship in ``tuned/``).
 
-Which variant runs depends on the GPU (`triton_path`): sm_90+ the inline-PTX kernels above; sm_75-sm_89 the
+Which variant runs depends on the GPU: the CUDA decode kernel from sm_80 wherever NVRTC and the driver library are
+there (``NVFP4_CUDA_KERNELS=0`` turns it off); Triton (`triton_path`) sm_90+ the inline-PTX kernels, sm_75-sm_89 the
 pure-Triton dequantisation with byte-decoded scales (fused bf16 kernels from sm_80, fp16 from sm_75); older GPUs,
-and any kernel that fails to build, PyTorch (dequantise, then matmul) after one logged warning. A compile error
-never stops training.
+and any kernel that fails to build, PyTorch (dequantise, then matmul) after one logged warning. A build error
+never stops training: the CUDA kernel falls back to Triton, Triton to PyTorch.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -38,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cuda_mma, nvrtc
+from .cuda_mma import MMAConfig
 from .format import dequantize
 
 
@@ -568,22 +576,30 @@ def _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
 
 
 # -- choosing a kernel ----------------------------------------------------------------------------------------
+Choice = FusedConfig | MMAConfig | str
+"""A Triton tile (`FusedConfig`), an instance of the CUDA decode kernel (`MMAConfig`) or `DEQUANT_CUBLAS`."""
+
+MMA_MAX_ROWS = 512
+"""Row counts up to which the CUDA decode kernel is a candidate (it re-reads the weights for every 64 rows)."""
+
+
 def m_bucket(m: int) -> int:
-    """Row-count bucket that shares one kernel choice: 1 (a GEMV may win), 16 for 2-16 rows (the MMA tile is 16
-    rows anyway), then powers of two up to 8192."""
-    if m == 1:
-        return 1
+    """Row-count bucket that shares one kernel choice: 1 (a GEMV may win), 8 for 2-8 rows (one MMA column of the
+    CUDA decode kernel), 16 for 9-16 (the Triton MMA tile is 16 rows anyway), then powers of two up to 8192."""
+    if m <= 8:
+        return 1 if m == 1 else 8
     return min(max(16, 1 << max(0, (m - 1).bit_length())), 8192)
 
 
-def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[FusedConfig | str]:
-    """Configurations worth timing for this shape: fused tiles (with split-K for decode), GEMVs for one row, and,
-    above 16 rows, dequantise+cuBLAS."""
+def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, mma: bool = False) -> list[Choice]:
+    """Configurations worth timing for this shape: the CUDA decode kernel's instances (``mma``: where it applies),
+    fused Triton tiles (with split-K for decode), GEMVs for one row, and, above 16 rows, dequantise+cuBLAS."""
     bucket = m_bucket(m)
+    decode = cuda_mma.candidate_configs(bucket, n, k) if mma and bucket <= MMA_MAX_ROWS else []
     if bucket > 64:
         tiles = [(64, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8), (256, 128, 64, 8)]
         fused = [FusedConfig(bm, bn, bk, 1, warps, 3) for bm, bn, bk, warps in tiles if bm <= bucket]
-        return [*fused, DEQUANT_CUBLAS]
+        return [*decode, *fused, DEQUANT_CUBLAS]
 
     def splits(block_n, block_k, exact):
         for split in (1, 2, 4, 8):
@@ -591,7 +607,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[FusedC
             if k >= block_k * split and not too_many and not (exact and k % (block_k * split)):
                 yield split
 
-    candidates: list[FusedConfig | str] = []
+    candidates: list[Choice] = list(decode)
     stages = 4 if bucket <= 16 else 3
     for block_n, block_k, warps in ((32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 4), (128, 128, 4),
                                     (128, 128, 8), (128, 256, 8), (256, 128, 8)):  # fmt: skip
@@ -604,8 +620,11 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[FusedC
     return candidates + ([DEQUANT_CUBLAS] if bucket > 16 else [])
 
 
-def heuristic_config(m: int, n: int, k: int, num_sms: int) -> FusedConfig | str:
-    """A reasonable choice without timing: fill the GPU with (N blocks x split-K) programs."""
+def heuristic_config(m: int, n: int, k: int, num_sms: int, mma: bool = False) -> Choice:
+    """A reasonable choice without timing: the CUDA decode kernel up to 64 rows where it applies, else fill the GPU
+    with (N blocks x split-K) Triton programs, and dequantise+cuBLAS above 64 rows."""
+    if mma and m <= 64:
+        return cuda_mma.heuristic_config(m, n, k, num_sms)
     if m > 64:
         return DEQUANT_CUBLAS
     block_n, block_k = 64, 256 if k >= 512 else 128
@@ -616,6 +635,32 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int) -> FusedConfig | str:
     return FusedConfig(max(16, m_bucket(m)), block_n, block_k, split, 4, 4)
 
 
+_MMA_BROKEN: set[tuple[int, torch.dtype]] = set()
+
+
+def mma_usable(x: torch.Tensor, weights: Sequence[cuda_mma.Weight]) -> bool:
+    """Whether the CUDA decode kernel serves this call: it applies (`cuda_mma.supports`), NVRTC and the driver
+    are there (``NVFP4_CUDA_KERNELS=0`` turns it off) and it has not failed to build on this device before."""
+    if os.environ.get("NVFP4_CUDA_KERNELS", "1") == "0" or not cuda_mma.supports(x, weights):
+        return False
+    if (_device_index(x.device), x.dtype) in _MMA_BROKEN:
+        return False
+    if not nvrtc.available():
+        _mma_failed(x, "NVRTC or the CUDA driver library is not available")
+        return False
+    return True
+
+
+def _mma_failed(x: torch.Tensor, reason: str) -> None:
+    key = (_device_index(x.device), x.dtype)
+    if key not in _MMA_BROKEN:
+        _MMA_BROKEN.add(key)
+        logger.warning(
+            "NVFP4: the CUDA decode kernel cannot run on %s (%s): %s; NVFP4 layers there use the Triton kernels "
+            "(correct, slower at decode).", x.device, str(x.dtype).removeprefix("torch."), reason,
+        )  # fmt: skip
+
+
 class KernelChooser:
     """Caches the fastest kernel per (device name, dtype, M bucket, N, K), timing the candidates the first time
     a key is seen outside CUDA-graph capture. ``NVFP4_AUTOTUNE=0`` uses `heuristic_config` instead; `save`/`load`
@@ -623,54 +668,103 @@ class KernelChooser:
 
     def __init__(self, autotune: bool | None = None) -> None:
         self.autotune = os.environ.get("NVFP4_AUTOTUNE", "1") != "0" if autotune is None else autotune
-        self.choices: dict[str, FusedConfig | str] = {}
+        self.choices: dict[str, Choice] = {}
 
     @staticmethod
-    def key(x: torch.Tensor, n: int, k: int) -> str:
-        return f"{torch.cuda.get_device_name(x.device)}|{str(x.dtype).removeprefix('torch.')}|{m_bucket(x.shape[0])}|{n}|{k}"
+    def key(x: torch.Tensor, n: int, k: int, group: int = 1) -> str:
+        """Choice key; ``group`` > 1 for one launch over several weights (their rows ``n`` in total)."""
+        kind = f"|x{group}" if group > 1 else ""
+        return (f"{torch.cuda.get_device_name(x.device)}|{str(x.dtype).removeprefix('torch.')}|{m_bucket(x.shape[0])}"
+                f"|{n}|{k}{kind}")  # fmt: skip
 
-    def choose(self, x, weight_packed, weight_scale, weight_global_scale) -> FusedConfig | str:
+    def choose(self, x, weight_packed, weight_scale, weight_global_scale) -> Choice:
         m, k = x.shape
         n = weight_packed.shape[0]
         key = self.key(x, n, k)
+        mma = mma_usable(x, [(weight_packed, weight_scale, weight_global_scale)])
+        known = self.choices.get(key)
+        if known is not None and (mma or not isinstance(known, MMAConfig)):
+            return known
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        # (a decode-kernel choice that this call cannot use, e.g. misaligned rows, stays for the calls that can)
+        if not self.autotune or torch.cuda.is_current_stream_capturing() or known is not None:
+            return heuristic_config(m, n, k, num_sms, mma)
+        self.choices[key] = self._fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms, mma)
+        return self.choices[key]
+
+    def choose_group(self, x, weights: Sequence[cuda_mma.Weight]) -> MMAConfig | str:
+        """One launch of the decode kernel over ``weights`` (an `MMAConfig`) or `SEPARATE` products, whichever is
+        faster (callers check `mma_usable`)."""
+        m, k = x.shape
+        n = sum(w[0].shape[0] for w in weights)
+        key = self.key(x, n, k, len(weights))
         if key in self.choices:
             return self.choices[key]
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if not self.autotune or torch.cuda.is_current_stream_capturing():
-            return heuristic_config(m, n, k, num_sms)
-        self.choices[key] = self._fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms)
+            return cuda_mma.heuristic_config(m, n, k, num_sms) if m <= 64 else SEPARATE
+        rows = min(x.shape[0], 8192) if x.shape[0] > 64 else m_bucket(x.shape[0])
+        probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
+        configs = cuda_mma.candidate_configs(rows, n, k) if rows <= MMA_MAX_ROWS else []
+        calls = {c: functools.partial(cuda_mma.matmul, probe, weights, c) for c in configs}
+        calls[SEPARATE] = functools.partial(_separate_products, probe, weights, [None] * len(weights))
+        self.choices[key] = _fastest_call(calls) or SEPARATE
         return self.choices[key]
 
     @staticmethod
-    def _fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms):
+    def _fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms, mma):
         n, k = weight_packed.shape[0], x.shape[1]
         rows = min(x.shape[0], 8192) if x.shape[0] > 64 else m_bucket(x.shape[0])
         probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
-        timings = {}
-        for candidate in candidate_configs(rows, n, k, num_sms):
-            call = functools.partial(run, probe, weight_packed, weight_scale, weight_global_scale, candidate)
-            try:
-                call()  # compile outside the graph
-                # Timed as CUDA-graph replays, as decode runs: host launch overhead would swamp small kernels
-                timings[candidate] = triton.testing.do_bench_cudagraph(call, rep=10, return_mode="median")
-            except (triton.runtime.errors.OutOfResources, RuntimeError):
-                continue
-        return min(timings, key=timings.get) if timings else heuristic_config(x.shape[0], n, k, num_sms)
+        calls = {
+            candidate: functools.partial(run, probe, weight_packed, weight_scale, weight_global_scale, candidate)
+            for candidate in candidate_configs(rows, n, k, num_sms, mma)
+        }
+        return _fastest_call(calls) or heuristic_config(x.shape[0], n, k, num_sms, mma)
 
     def save(self, path: str) -> None:
-        table = {key: c if isinstance(c, str) else asdict(c) for key, c in sorted(self.choices.items())}
+        table = {key: _choice_to_json(c) for key, c in sorted(self.choices.items())}
         with open(path, "w") as handle:
             json.dump(table, handle, indent=1)
 
     def load(self, path: str) -> None:
         with open(path) as handle:
             table = json.load(handle)
-        self.choices.update({key: c if isinstance(c, str) else FusedConfig(**c) for key, c in table.items()})
+        self.choices.update({key: _choice_from_json(c) for key, c in table.items()})
 
 
-def run(x, weight_packed, weight_scale, weight_global_scale, choice: FusedConfig | str) -> torch.Tensor:
+def _fastest_call(calls: dict[Choice, Callable[[], torch.Tensor]]) -> Choice | None:
+    """The choice whose call runs fastest as CUDA-graph replays (how decode runs: host launch overhead would swamp
+    small kernels); choices that fail to build are skipped."""
+    timings = {}
+    for choice, call in calls.items():
+        try:
+            call()  # compile outside the graph
+            timings[choice] = triton.testing.do_bench_cudagraph(call, rep=10, return_mode="median")
+        except (triton.runtime.errors.OutOfResources, RuntimeError):  # NVRTCError is a RuntimeError
+            continue
+    return min(timings, key=timings.get) if timings else None
+
+
+def _choice_to_json(choice: Choice):
+    if isinstance(choice, str):
+        return choice
+    return {"kernel": "mma", **asdict(choice)} if isinstance(choice, MMAConfig) else asdict(choice)
+
+
+def _choice_from_json(entry) -> Choice:
+    if isinstance(entry, str):
+        return entry
+    if entry.get("kernel") == "mma":
+        return MMAConfig(**{key: value for key, value in entry.items() if key != "kernel"})
+    return FusedConfig(**entry)
+
+
+def run(x, weight_packed, weight_scale, weight_global_scale, choice: Choice) -> torch.Tensor:
     if choice == DEQUANT_CUBLAS:
         return _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
+    if isinstance(choice, MMAConfig):
+        return cuda_mma.matmul(x, [(weight_packed, weight_scale, weight_global_scale)], choice)
     return fused_matmul(x, weight_packed, weight_scale, weight_global_scale, choice)
 
 
@@ -695,17 +789,48 @@ def _dense(weight_packed, weight_scale, weight_global_scale, dtype):
 
 
 def _fused(x, weight_packed, weight_scale, weight_global_scale):
-    """``x @ dequant(W).T`` with the chosen fused kernel (or dequantise+cuBLAS), falling back to the dense weight
-    and torch where the kernels do not build."""
+    """``x @ dequant(W).T`` with the chosen kernel (CUDA decode, Triton or dequantise+cuBLAS), falling back to
+    Triton where the CUDA kernel does not build and to the dense weight and torch where Triton does not."""
 
     def launch():
         choice = CHOOSER.choose(x, weight_packed, weight_scale, weight_global_scale)
-        return run(x, weight_packed, weight_scale, weight_global_scale, choice)
+        try:
+            return run(x, weight_packed, weight_scale, weight_global_scale, choice)
+        except nvrtc.NVRTCError as error:  # only the decode kernel raises it; the chooser skips it from now on
+            _mma_failed(x, str(error).splitlines()[0][:300])
+            choice = CHOOSER.choose(x, weight_packed, weight_scale, weight_global_scale)
+            return run(x, weight_packed, weight_scale, weight_global_scale, choice)
 
     def fallback():
         return torch.nn.functional.linear(x, _dense(weight_packed, weight_scale, weight_global_scale, x.dtype))
 
     return guarded("matmul", x.device, x.dtype, launch, fallback)
+
+
+SEPARATE = "separate products"
+"""A grouped product computed one weight at a time (each with its own chosen kernel)."""
+
+
+def _separate_products(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None]):
+    outs = []
+    for weight, bias in zip(weights, biases):
+        out = nvfp4_linear_op(x, *weight)
+        outs.append(out + bias.to(out.dtype) if bias is not None else out)
+    return torch.cat(outs, dim=1)
+
+
+def grouped_linear(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """``torch.cat([x @ W_i.T + b_i], dim=1)`` for weights that read the same activations (q/k/v, gate/up): one
+    launch of the CUDA decode kernel where that is fastest, else one product per weight."""
+    if mma_usable(x, weights):
+        try:
+            choice = CHOOSER.choose_group(x, weights)
+            if isinstance(choice, MMAConfig):
+                bias = [b.to(x.dtype) if b is not None else None for b in biases]
+                return cuda_mma.matmul(x, weights, choice, bias)
+        except nvrtc.NVRTCError as error:
+            _mma_failed(x, str(error).splitlines()[0][:300])
+    return _separate_products(x, weights, biases)
 
 
 KERNELS_NAME = "triton"
@@ -762,8 +887,34 @@ def _(weight_packed, weight_scale, weight_global_scale, dtype):
     return weight_packed.new_empty(weight_packed.shape[0], weight_packed.shape[1] * 2, dtype=dtype)
 
 
+@torch.library.custom_op("trl_qerl::nvfp4_linear_grouped", mutates_args=())
+def nvfp4_linear_grouped_op(
+    x: torch.Tensor,
+    weight_packed: list[torch.Tensor],
+    weight_scale: list[torch.Tensor],
+    weight_global_scale: list[torch.Tensor],
+    bias: list[torch.Tensor | None],
+) -> torch.Tensor:
+    """``cat([x @ dequant(W_i).T + bias_i], dim=1)`` for up to three weights that read the same ``x[M, K]`` (q/k/v,
+    gate/up): one launch on CUDA where the decode kernel applies, read in place (no concatenated copy)."""
+    if not weight_packed or not len(weight_packed) == len(weight_scale) == len(weight_global_scale) == len(bias):
+        raise ValueError("nvfp4_linear_grouped: give one packed tensor, scale, global scale and bias per weight.")
+    weights = list(zip(weight_packed, weight_scale, weight_global_scale))
+    if len(weights) > cuda_mma.MAX_SEGMENTS or x.device.type != "cuda":
+        outs = [nvfp4_linear_op(x, *weight) for weight in weights]
+        return torch.cat([o + b.to(o.dtype) if b is not None else o for o, b in zip(outs, bias)], dim=1)
+    return grouped_linear(x, weights, bias)
+
+
+@nvfp4_linear_grouped_op.register_fake
+def _(x, weight_packed, weight_scale, weight_global_scale, bias):
+    return x.new_empty(x.shape[0], sum(p.shape[0] for p in weight_packed))
+
+
 __all__ = [
     "AMPERE",
+    "MMA_MAX_ROWS",
+    "SEPARATE",
     "CHOOSER",
     "DEQUANT_CUBLAS",
     "HOPPER",
@@ -772,6 +923,8 @@ __all__ = [
     "KernelChooser",
     "TritonPath",
     "candidate_configs",
+    "grouped_linear",
+    "mma_usable",
     "dequantize_cuda",
     "device_path",
     "fused_matmul",

@@ -1,0 +1,374 @@
+// NVFP4 W4A16 decode matmul: out[M, N] = x[M, K] @ dequant(W[N, K]).T for few rows (M <= 64 per CTA column),
+// weights read once in the standard compressed-tensors layout, dequantised in registers, multiplied on the tensor
+// cores with mma.sync (sm_80+), one launch per projection (or per group of projections: q/k/v, gate/up).
+//
+// Compiled at run time by NVRTC (trl_qerl/nvfp4/nvrtc.py) without any header, so it needs no CUDA toolkit.
+//
+// Work split. The MMA is m16n8k16 with the operands swapped ("swap-AB"): weights are the 16-row A operand, the
+// activation rows (tokens) the 8-column B operand. A warp owns 16*MT weight rows and walks a slice of K in blocks
+// of 128 columns; the KW warps of a CTA split K between them and add their partial sums in shared memory at the end
+// (no second launch, deterministic order). CTAs along grid.x take successive groups of 8*NT tokens of the same rows
+// (adjacent in launch order, so the second reads the weights from L2); grid.y walks the row tiles.
+//
+// Register-only weight path. The MMA sums over its 16 k slots, so which physical column sits in which slot is free
+// as long as A and B agree. Lane (g, t) (g = lane / 4, t = lane % 4) takes physical columns 32t..32t+31 of each
+// 128-column block: for its two rows g and g+8 those are 16 contiguous bytes of packed codes (one 16-byte load per
+// row, a warp reads 16 rows x 64 contiguous bytes), two FP8 block scales (the 32 columns are two whole groups of
+// 16), and for its token g the 32 contiguous activations (four 16-byte loads). No shared memory, no shuffles.
+//
+// Dequantisation (Marlin's trick): one 32-bit word holds codes c0..c7 of 8 consecutive columns (low nibble first).
+// Masking each code's sign to bit 15 and its 3 magnitude bits to bits 6..8 of a 16-bit half gives the bf16 bit
+// pattern of E2M1 * 2^-126 (fp16: bits 9..11, E2M1 * 2^-14); one shift serves the two halves, so a word yields the
+// pairs (c0,c4), (c1,c5), (c2,c6), (c3,c7). The activations are permuted the same way (PRMT), then each pair is
+// multiplied by its block scale (bf16: scale * 2^63, so that products are normal bf16 numbers; exact, since E2M1
+// has 2 significant bits and E4M3 4). The epilogue multiplies the fp32 sums by 2^63 (fp16: 2^14) / global_scale,
+// adds the bias and rounds once.
+
+#ifndef NVFP4_DEPTH
+#define NVFP4_DEPTH 1  // 128-column blocks loaded ahead of the one being multiplied (2 and 3 measured no faster)
+#endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define MAX_SEGMENTS 3
+
+// Up to three weight matrices that read the same activations (q/k/v, gate/up) in one launch; their outputs sit
+// side by side in `out` (columns col_start[s] ..). Row tiles of segment s are blockIdx.y in
+// [tile_start[s], tile_start[s + 1]).
+struct Segments {
+  const uint4* packed[MAX_SEGMENTS];   // uint8 [rows, K/2] viewed as 16-byte vectors
+  const u16* scales[MAX_SEGMENTS];     // float8_e4m3fn [rows, K/16] viewed as byte pairs
+  const float* global_scale[MAX_SEGMENTS];
+  const u16* bias[MAX_SEGMENTS];       // [rows] in the activation dtype, or null
+  int rows[MAX_SEGMENTS];
+  int col_start[MAX_SEGMENTS];
+  int tile_start[MAX_SEGMENTS + 1];
+  int count;
+};
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  // Weights are read once: keep them out of L1 so the activations (re-read by every warp) stay there.
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_cached(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
+// E2M1 codes of one word -> four 16-bit pairs (c_i, c_{i+4}), i = 0..3, as bf16 (E2M1 * 2^-126) or fp16
+// (E2M1 * 2^-14) bit patterns.
+template <bool BF16>
+__device__ __forceinline__ void decode_word(u32 q, u32 (&p)[4]) {
+  const u32 sign = 0x80008000u;
+  if (BF16) {
+    const u32 magnitude = 0x01C001C0u;
+    p[3] = (q & sign) | ((q >> 6) & magnitude);
+    p[2] = ((q << 4) & sign) | ((q >> 2) & magnitude);
+    p[1] = ((q << 8) & sign) | ((q << 2) & magnitude);
+    p[0] = ((q << 12) & sign) | ((q << 6) & magnitude);
+  } else {
+    const u32 magnitude = 0x0E000E00u;
+    p[3] = (q & sign) | ((q >> 3) & magnitude);
+    p[2] = ((q << 4) & sign) | ((q << 1) & magnitude);
+    p[1] = ((q << 8) & sign) | ((q << 5) & magnitude);
+    p[0] = ((q << 12) & sign) | ((q << 9) & magnitude);
+  }
+}
+
+// Two FP8 E4M3 block scales (low byte first) -> their fp32 values.
+__device__ __forceinline__ void e4m3x2_to_float(u32 pair, float& lo, float& hi) {
+#if __CUDA_ARCH__ >= 890
+  u32 halves;
+  asm("{ .reg .b16 s; cvt.u16.u32 s, %1; cvt.rn.f16x2.e4m3x2 %0, s; }" : "=r"(halves) : "r"(pair));
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+      : "=f"(lo), "=f"(hi) : "r"(halves));
+#else
+  // E4M3's 7 exponent/mantissa bits placed in an fp16 (bias 15 instead of 7) are the value times 2^-8, subnormals
+  // included. (The NaN codes 0x7F/0xFF decode as 480; quantisation never writes them.)
+  u32 spread = (pair & 0xFFu) | ((pair & 0xFF00u) << 8);
+  u32 halves = ((spread & 0x00800080u) << 8) | ((spread & 0x007F007Fu) << 7);
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+      : "=f"(lo), "=f"(hi) : "r"(halves));
+  lo *= 256.0f;
+  hi *= 256.0f;
+#endif
+}
+
+// A scale as the pair (s, s) that multiplies decoded pairs: bf16 s * 2^63, fp16 s (both exact).
+template <bool BF16>
+__device__ __forceinline__ u32 scale_pair(float s) {
+  u32 d;
+  if (BF16) {
+    s *= 9223372036854775808.0f;  // 2^63
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(s));
+  } else {
+    asm("{ .reg .b16 h; cvt.rn.f16.f32 h, %1; mov.b32 %0, {h, h}; }" : "=r"(d) : "f"(s));
+  }
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ u32 mul2(u32 a, u32 b) {
+  // fma with -0 is an exact product that keeps the sign of zero (mul.bf16x2 exists only from sm_90)
+  u32 d;
+  if (BF16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  } else {
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if (BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ u16 round_to_output(float v) {
+  u16 h;
+  if (BF16) {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  } else {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  }
+  return h;
+}
+
+template <bool BF16>
+__device__ __forceinline__ float input_to_float(u16 h) {
+  float v;
+  if (BF16) {
+    v = __int_as_float(((u32)h) << 16);
+  } else {
+    asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(v) : "h"(h));
+  }
+  return v;
+}
+
+// What one warp loads for one 128-column block: codes and scales of its rows, activations of its tokens.
+template <int MT, int NT, bool PREFETCH_X>
+struct Stage {
+  uint4 w[MT][2];                        // [m tile][row g, row g + 8]: 32 codes each
+  u32 s[MT][2];                          // the two block scales of those 32 columns
+  uint4 x[PREFETCH_X ? NT : 1][4];       // token g of each n tile: 32 activations
+};
+
+// Pointers of one lane, at its first 128-column block.
+template <int MT, int NT>
+struct LanePointers {
+  const uint4* w[MT][2];
+  const u16* s[MT][2];
+  const uint4* x[NT];
+};
+
+// `live` is false only for a lane whose 32 columns of the last (partial) block lie past K: it reads zeros there.
+template <int MT, int NT, bool PREFETCH_X, bool TAIL>
+__device__ __forceinline__ void load_stage(Stage<MT, NT, PREFETCH_X>& st, const LanePointers<MT, NT>& p, int kb,
+                                           bool live) {
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!TAIL || live) {
+        st.w[mt][h] = load_stream(p.w[mt][h] + kb * 4);
+        st.s[mt][h] = p.s[mt][h][kb * 4];
+      } else {
+        st.w[mt][h] = make_uint4(0u, 0u, 0u, 0u);  // codes 0 are the value 0
+        st.s[mt][h] = 0u;
+      }
+    }
+  }
+  if (PREFETCH_X) {
+    #pragma unroll
+    for (int nt = 0; nt < (PREFETCH_X ? NT : 1); ++nt) {
+      #pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        // (lanes of tokens past M load a clamped row: their columns are never stored, and skipping the loads
+        // measured slower)
+        st.x[nt][w] = (!TAIL || live) ? load_cached(p.x[nt] + kb * 16 + w) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+}
+
+template <int MT, int NT, bool BF16, bool PREFETCH_X, bool TAIL>
+__device__ __forceinline__ void compute_stage(const Stage<MT, NT, PREFETCH_X>& st, float (&acc)[MT][NT][4],
+                                              const LanePointers<MT, NT>& p, int kb, bool live) {
+  u32 scale[MT][2][2];  // [m tile][row half][group]
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float lo, hi;
+      e4m3x2_to_float(st.s[mt][h], lo, hi);
+      scale[mt][h][0] = scale_pair<BF16>(lo);
+      scale[mt][h][1] = scale_pair<BF16>(hi);
+    }
+  }
+  #pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    u32 a[MT][2][4];  // [m tile][row half][pair]
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = st.w[mt][h];
+        const u32 q = w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+        decode_word<BF16>(q, a[mt][h]);
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) a[mt][h][i] = mul2<BF16>(a[mt][h][i], scale[mt][h][w >> 1]);
+      }
+    }
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      uint4 xv;
+      if (PREFETCH_X) {
+        xv = st.x[PREFETCH_X ? nt : 0][w];
+      } else {
+        xv = (!TAIL || live) ? load_cached(p.x[nt] + kb * 16 + w) : make_uint4(0u, 0u, 0u, 0u);
+      }
+      // activations in the order of the decoded pairs: (x0,x4), (x1,x5), (x2,x6), (x3,x7)
+      const u32 b0 = prmt(xv.x, xv.z, 0x5410u), b1 = prmt(xv.x, xv.z, 0x7632u);
+      const u32 b2 = prmt(xv.y, xv.w, 0x5410u), b3 = prmt(xv.y, xv.w, 0x7632u);
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma<BF16>(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], b0, b1);
+        mma<BF16>(acc[mt][nt], a[mt][0][2], a[mt][1][2], a[mt][0][3], a[mt][1][3], b2, b3);
+      }
+    }
+  }
+}
+
+template <int MT, int NT, int KW, bool BF16>
+__global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
+                                                            u16* __restrict__ out, int ldo, Segments seg) {
+  constexpr bool PREFETCH_X = NT <= 2;
+  constexpr int ROWS = 16 * MT, TOKENS = 8 * NT;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  int s = 0;
+  #pragma unroll
+  for (int i = 1; i < MAX_SEGMENTS; ++i) s += (i < seg.count && (int)blockIdx.y >= seg.tile_start[i]) ? 1 : 0;
+  const int rows = seg.rows[s];
+  const int row0 = ((int)blockIdx.y - seg.tile_start[s]) * ROWS;
+  const int tok0 = blockIdx.x * TOKENS;
+  const int k_vectors = K >> 5;  // 16-byte vectors (32 codes) per weight row, also byte pairs per scale row
+
+  // Rows past the end of the segment and tokens past M read a real row and are never stored.
+  LanePointers<MT, NT> p;
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = min(row0 + mt * 16 + h * 8 + g, rows - 1);
+      p.w[mt][h] = seg.packed[s] + (u64)row * k_vectors + t;
+      p.s[mt][h] = seg.scales[s] + (u64)row * k_vectors + t;
+    }
+  }
+  #pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    p.x[nt] = reinterpret_cast<const uint4*>(x + (u64)min(tok0 + nt * 8 + g, M - 1) * ldx) + t * 4;
+  }
+
+  float acc[MT][NT][4];
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+  // This warp's 128-column blocks: the full ones two at a time, the next block's loads in flight while one
+  // computes; then the last block if K % 128 != 0 (K % 32 == 0, so each lane's 32 columns are in or out).
+  const int blocks = (K + 127) >> 7;
+  const int per_warp = (blocks + KW - 1) / KW;
+  const int kb_begin = warp * per_warp;
+  const int kb_end = min(blocks, kb_begin + per_warp);
+  const int full_end = min(kb_end, K >> 7);
+  constexpr int STAGES = NVFP4_DEPTH + 1;
+  Stage<MT, NT, PREFETCH_X> st[STAGES];
+  #pragma unroll
+  for (int i = 0; i < STAGES; ++i) st[i] = Stage<MT, NT, PREFETCH_X>{};
+  int kb = kb_begin;
+  #pragma unroll
+  for (int d = 0; d < NVFP4_DEPTH; ++d) {
+    if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false>(st[d], p, kb + d, true);
+  }
+  for (; kb + STAGES + NVFP4_DEPTH <= full_end; kb += STAGES) {  // steady state: every load in range
+    #pragma unroll
+    for (int j = 0; j < STAGES; ++j) {
+      load_stage<MT, NT, PREFETCH_X, false>(st[(j + NVFP4_DEPTH) % STAGES], p, kb + j + NVFP4_DEPTH, true);
+      compute_stage<MT, NT, BF16, PREFETCH_X, false>(st[j], acc, p, kb + j, true);
+    }
+  }
+  for (; kb < full_end; kb += STAGES) {  // the last few blocks
+    #pragma unroll
+    for (int j = 0; j < STAGES; ++j) {
+      if (kb + j < full_end) {
+        if (kb + j + NVFP4_DEPTH < full_end) {
+          load_stage<MT, NT, PREFETCH_X, false>(st[(j + NVFP4_DEPTH) % STAGES], p, kb + j + NVFP4_DEPTH, true);
+        }
+        compute_stage<MT, NT, BF16, PREFETCH_X, false>(st[j], acc, p, kb + j, true);
+      }
+    }
+  }
+  kb = max(kb_begin, full_end);  // (a warp with no blocks keeps kb_begin >= kb_end)
+  Stage<MT, NT, PREFETCH_X>& a = st[0];
+  if (kb < kb_end) {
+    const bool live = kb * 128 + t * 32 < K;
+    load_stage<MT, NT, PREFETCH_X, true>(a, p, kb, live);
+    compute_stage<MT, NT, BF16, PREFETCH_X, true>(a, acc, p, kb, live);
+  }
+
+  // Partial sums of the KW warps -> shared memory [warp][token][row] -> one fixed-order sum per output.
+  __shared__ float partial[KW][TOKENS][ROWS];
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      partial[warp][nt * 8 + 2 * t][mt * 16 + g] = acc[mt][nt][0];
+      partial[warp][nt * 8 + 2 * t + 1][mt * 16 + g] = acc[mt][nt][1];
+      partial[warp][nt * 8 + 2 * t][mt * 16 + g + 8] = acc[mt][nt][2];
+      partial[warp][nt * 8 + 2 * t + 1][mt * 16 + g + 8] = acc[mt][nt][3];
+    }
+  }
+  __syncthreads();
+  const float factor = (BF16 ? 9223372036854775808.0f : 16384.0f) / *seg.global_scale[s];
+  const u16* bias = seg.bias[s];
+  for (int e = threadIdx.x; e < TOKENS * ROWS; e += 32 * KW) {
+    const int r = e % ROWS, tok = e / ROWS;
+    const int row = row0 + r;
+    if (row >= rows || tok0 + tok >= M) continue;
+    float sum = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < KW; ++w) sum += partial[w][tok][r];
+    sum *= factor;
+    if (bias != nullptr) sum += input_to_float<BF16>(bias[row]);
+    out[(u64)(tok0 + tok) * ldo + seg.col_start[s] + row] = round_to_output<BF16>(sum);
+  }
+}

@@ -1,0 +1,239 @@
+"""CUDA C kernels compiled at run time with NVRTC and launched through the CUDA driver API, with no toolkit.
+
+A leaf (it knows nothing of NVFP4). CUDA builds of torch depend on the ``nvidia-cuda-nvrtc`` wheel, so NVRTC is
+present wherever CUDA torch is; the driver library comes with the GPU driver. Both are opened with `ctypes`:
+
+* `compile_cubin` turns a source and one C++ name expression (a template instance) into a cubin for one
+  ``sm_XY`` target. It needs no GPU, which is how the CPU tests cross-compile for every target.
+* `CudaKernel.get` compiles (or reads the on-disk cache under ``$TRL_QERL_CACHE`` or ``~/.cache/trl_qerl``),
+  loads the cubin into the current device's primary context (the one torch uses) and launches on torch's current
+  stream, so launches are captured by CUDA graphs like any other kernel.
+
+torch has a private wrapper of the same calls (``torch.cuda._compile_kernel``); its signature changed between
+2.8 and 2.13, so this module talks to the two public C APIs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class NVRTCError(RuntimeError):
+    """NVRTC or the CUDA driver was missing or refused a kernel (the caller falls back to another kernel)."""
+
+
+# -- libraries ------------------------------------------------------------------------------------------------
+def _candidate_nvrtc_paths() -> list[str]:
+    """Where the NVRTC library may be: the loader's search path first, then the ``nvidia`` wheels' folders."""
+    names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"] if sys.platform != "win32" else []
+    found = []
+    for base in sys.path:
+        for pattern in ("nvidia/cu*/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"):  # CUDA 13+, 12
+            found += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
+    return names + [path for path in found if "builtins" not in path and "alt" not in os.path.basename(path)]
+
+
+def _preload_builtins(nvrtc_path: str) -> None:
+    # NVRTC opens libnvrtc-builtins by its soname; a wheel's folder is not on the loader's path, so load the one
+    # beside the library first (a no-op when the system provides both).
+    folder = os.path.dirname(nvrtc_path)
+    for builtins in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so*"))) if folder else []:
+        try:
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+
+
+def _load_nvrtc() -> ctypes.CDLL:
+    errors = []
+    for path in _candidate_nvrtc_paths():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as error:
+            errors.append(f"{path}: {error}")
+            continue
+        _preload_builtins(path)
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        return lib
+    raise NVRTCError(
+        "NVRTC (libnvrtc) was not found; it ships with CUDA builds of torch as the nvidia-cuda-nvrtc wheel "
+        "(`pip install nvidia-cuda-nvrtc`). Tried: " + "; ".join(errors[-3:])
+    )
+
+
+_NVRTC: ctypes.CDLL | None = None
+_CUDA: ctypes.CDLL | None = None
+_LOCK = threading.Lock()
+
+
+def nvrtc() -> ctypes.CDLL:
+    """The NVRTC library (raises `NVRTCError` if it cannot be opened)."""
+    global _NVRTC
+    if _NVRTC is None:
+        _NVRTC = _load_nvrtc()
+    return _NVRTC
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check_nvrtc(nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)))
+    return major.value, minor.value
+
+
+def cuda_driver() -> ctypes.CDLL:
+    """The CUDA driver library."""
+    global _CUDA
+    if _CUDA is None:
+        try:
+            _CUDA = ctypes.CDLL("libcuda.so.1" if sys.platform != "win32" else "nvcuda.dll")
+        except OSError as error:
+            raise NVRTCError(f"the CUDA driver library could not be opened: {error}") from error
+    return _CUDA
+
+
+def _check_nvrtc(result: int, program=None) -> None:
+    if result == 0:
+        return
+    message = nvrtc().nvrtcGetErrorString(result).decode()
+    if program is not None:
+        message += "\n" + _program_log(program)
+    raise NVRTCError(f"NVRTC: {message}")
+
+
+def _check_cuda(result: int, what: str) -> None:
+    if result == 0:
+        return
+    text = ctypes.c_char_p()
+    cuda_driver().cuGetErrorString(result, ctypes.byref(text))
+    raise NVRTCError(f"CUDA driver: {what} failed: {text.value.decode() if text.value else result}")
+
+
+def _program_log(program) -> str:
+    size = ctypes.c_size_t()
+    nvrtc().nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc().nvrtcGetProgramLog(program, log)
+    return log.value.decode(errors="replace")
+
+
+# -- compiling ------------------------------------------------------------------------------------------------
+def compile_cubin(source: str, name_expression: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """``(cubin, lowered kernel name)`` of ``name_expression`` (e.g. ``"kernel<1, 2>"``) for ``arch``
+    (e.g. ``"sm_90"``). Needs NVRTC only, no GPU."""
+    lib = nvrtc()
+    program = ctypes.c_void_p()
+    _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"kernel.cu", 0, None, None))
+    try:
+        expression = name_expression.encode()
+        _check_nvrtc(lib.nvrtcAddNameExpression(program, expression))
+        flags = [f"--gpu-architecture={arch}", "-std=c++17", *options]
+        array = (ctypes.c_char_p * len(flags))(*[flag.encode() for flag in flags])
+        _check_nvrtc(lib.nvrtcCompileProgram(program, len(flags), array), program)
+        size = ctypes.c_size_t()
+        _check_nvrtc(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)))
+        cubin = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib.nvrtcGetCUBIN(program, cubin))
+        lowered = ctypes.c_char_p()
+        _check_nvrtc(lib.nvrtcGetLoweredName(program, expression, ctypes.byref(lowered)))
+        return cubin.raw, lowered.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRL_QERL_CACHE", Path.home() / ".cache" / "trl_qerl")) / "nvrtc"
+
+
+def cached_cubin(source: str, name_expression: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """`compile_cubin` through an on-disk cache keyed by source, expression, target, options and NVRTC version
+    (written atomically: a crashed writer leaves no half file)."""
+    key = json.dumps([source, name_expression, arch, list(options), nvrtc_version()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    directory = cache_dir()
+    cubin_path, name_path = directory / f"{digest}.cubin", directory / f"{digest}.name"
+    try:
+        return cubin_path.read_bytes(), name_path.read_text()
+    except OSError:
+        pass
+    cubin, lowered = compile_cubin(source, name_expression, arch, options)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for path, data in ((name_path, lowered.encode()), (cubin_path, cubin)):
+            partial = path.with_suffix(f".{os.getpid()}.partial")
+            partial.write_bytes(data)
+            os.replace(partial, path)
+    except OSError:  # a read-only home: compile again next time
+        pass
+    return cubin, lowered
+
+
+# -- launching ------------------------------------------------------------------------------------------------
+def _arch(device_index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+@dataclass
+class CudaKernel:
+    """One compiled kernel loaded on one device."""
+
+    function: ctypes.c_void_p
+    module: ctypes.c_void_p
+    name: str
+
+    @classmethod
+    def get(cls, source: str, name_expression: str, device_index: int, options: tuple[str, ...] = ()) -> CudaKernel:
+        """The kernel for ``device_index``, compiled and loaded once per (source, expression, device)."""
+        key = (hashlib.sha256(source.encode()).hexdigest(), name_expression, device_index, options)
+        with _LOCK:
+            if key not in _KERNELS:
+                cubin, lowered = cached_cubin(source, name_expression, _arch(device_index), options)
+                _KERNELS[key] = cls._load(cubin, lowered, device_index)
+            return _KERNELS[key]
+
+    @classmethod
+    def _load(cls, cubin: bytes, lowered: str, device_index: int) -> CudaKernel:
+        lib = cuda_driver()
+        with torch.cuda.device(device_index):
+            torch.cuda.current_stream()  # makes torch's primary context current on this thread
+            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            _check_cuda(lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+            _check_cuda(
+                lib.cuModuleGetFunction(ctypes.byref(function), module, lowered.encode()), "cuModuleGetFunction"
+            )
+        return cls(function, module, lowered)
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream=None) -> None:
+        """Launch on ``stream`` (default: torch's current stream). ``args`` are ctypes values (or structures) in
+        the kernel's parameter order."""
+        stream = torch.cuda.current_stream() if stream is None else stream
+        pointers = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        _check_cuda(
+            cuda_driver().cuLaunchKernel(
+                self.function, *grid, *block, 0, ctypes.c_void_p(stream.cuda_stream), pointers, None
+            ),
+            f"launching {self.name}",
+        )
+
+
+_KERNELS: dict[tuple, CudaKernel] = {}
+
+
+def available() -> bool:
+    """Whether NVRTC and the CUDA driver can be opened here."""
+    try:
+        nvrtc()
+        cuda_driver()
+    except NVRTCError:
+        return False
+    return True
