@@ -1,11 +1,23 @@
-"""NVFP4 kernel benchmark: fused W4A16 (and dequantise+cuBLAS) against bf16 `F.linear`, same run, same GPU.
+"""NVFP4 kernel benchmark: our W4A16 products against bf16 `F.linear`, `humming-kernels` and the streaming floor,
+all measured in the same run on the same GPU.
 
-For each Qwen2.5 shape (fused q/k/v, o, fused gate/up, down) and row count M, times the NVFP4 forward
-(``torch.ops.trl_qerl.nvfp4_linear``: the kernel the chooser picks) and bf16 ``F.linear``; for M >= 1024 also the
-backward ``grad_out @ W`` (``nvfp4_grad_input`` vs bf16 matmul). Timing: CUDA events around a CUDA graph of
-many calls (so launch gaps are those of graph replay), weights rotated over enough copies to exceed twice the
-L2 cache, median of repeated replays. Bandwidth counts the bytes that must move (weights once, activations
-in and out) and is compared with a measured device-to-device copy.
+For each Qwen2.5 shape (q/k/v and gate/up as one launch over their separate weights, as the model holds them; o and
+down) and row count M, times
+
+* ``nvfp4``: our product (``trl_qerl::nvfp4_linear`` or ``trl_qerl::nvfp4_linear_grouped``: the kernel the chooser
+  picks; the ``kernel`` column says which);
+* ``bf16``: ``F.linear`` with the fused bf16 weight (cuBLAS);
+* ``humming``: `humming-kernels` (vllm-project/humming, optional: ``pip install humming-kernels``) on the same
+  compressed-tensors weight, fused rows;
+* ``floor``: one Triton kernel that only streams the layer's NVFP4 bytes (codes and scales) and does no math: the
+  fastest any NVFP4 kernel can read them in one launch;
+* for M >= 1024 the backward ``grad_out @ W`` (``nvfp4_grad_input`` vs bf16 matmul).
+
+Timing: CUDA events around a CUDA graph of back-to-back calls (launch gaps are those of graph replay), weights
+rotated over enough copies that each kind of weight exceeds 3x the L2 cache, median of repeated replays.
+Bandwidth counts the bytes that must move (weights once, activations in and out) and is compared with a measured
+device-to-device copy. ``--sweep`` also times every instance of the CUDA decode kernel for M <= 512 (and
+``--variants`` compile-time switches of its source).
 
 Usage:
     python scripts/bench_kernels.py --models qwen2.5-7b qwen2.5-32b --json out.json --choices choices.json
@@ -15,17 +27,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import time
 
 import torch
-from model_shapes import linear_shapes
+import triton
+import triton.language as tl
+from model_shapes import qwen25_config
 
-from trl_qerl.nvfp4 import kernels
-from trl_qerl.nvfp4.format import quantize
+from trl_qerl.nvfp4 import cuda_mma, kernels
+from trl_qerl.nvfp4.format import quantize, shared_global_scale
 
 
+ROWS = (1, 4, 16, 64, 128, 256, 512, 1024, 4096)
 SHAPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-ROWS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+
+
+def projections(model: str) -> dict[str, list[tuple[int, int]]]:
+    """``{shape: [(out, in) of each weight the launch reads]}`` of one decoder layer."""
+    config = qwen25_config(model)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
+    return {
+        "qkv_proj": [(hidden, hidden), (kv, hidden), (kv, hidden)],
+        "o_proj": [(hidden, hidden)],
+        "gate_up_proj": [(inter, hidden), (inter, hidden)],
+        "down_proj": [(hidden, inter)],
+    }
 
 
 def copy_bandwidth() -> float:
@@ -43,11 +72,12 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times[2:])
 
 
-def graph_time(calls, copies: int, repeats: int = 15) -> float:
-    """Median seconds per call of ``calls[i % copies]()`` captured back to back in one CUDA graph."""
+def graph_time(calls, repeats: int = 15) -> float:
+    """Median seconds per call of ``calls[i % len(calls)]()`` captured back to back in one CUDA graph."""
+    copies = len(calls)
     per_graph = max(copies, 8)
-    for i in range(copies):
-        calls[i]()  # warm-up outside capture: compiles and tunes
+    for call in calls:
+        call()  # warm-up outside capture: compiles and tunes
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -70,72 +100,190 @@ def graph_time(calls, copies: int, repeats: int = 15) -> float:
     return statistics.median(times[1:])
 
 
-def bench_shape(n: int, k: int, rows: int, l2_bytes: int):
-    bf16_weight_bytes = n * k * 2
-    copies = max(1, -(-3 * l2_bytes // bf16_weight_bytes))
-    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    packed = [quantize(w) for w in dense]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    nvfp4_weight_bytes = sum(t.numel() * t.element_size() for t in packed[0])
-    io_bytes = (rows * k + rows * n) * 2
+@triton.jit
+def _stream_kernel(words_ptr, scales_ptr, out_ptr, WORDS_PER_ROW, SCALE_WORDS_PER_ROW, ROWS: tl.constexpr,
+                   CHUNK: tl.constexpr):  # fmt: skip
+    """Reads ROWS rows of codes and scales (int32 words) once and stores one xor per row: streaming, no math."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    words = words_ptr + rows[:, None] * WORDS_PER_ROW + tl.arange(0, CHUNK)[None, :]
+    scales = scales_ptr + rows[:, None] * SCALE_WORDS_PER_ROW + tl.arange(0, CHUNK // 8)[None, :]
+    acc = tl.zeros((ROWS, CHUNK), tl.int32)
+    scale_acc = tl.zeros((ROWS, CHUNK // 8), tl.int32)
+    for k in range(0, WORDS_PER_ROW, CHUNK):
+        acc ^= tl.load(words + k, eviction_policy="evict_first")
+        scale_acc ^= tl.load(scales + k // 8, eviction_policy="evict_first")
+    tl.store(out_ptr + rows, tl.xor_sum(acc, axis=1) ^ tl.xor_sum(scale_acc, axis=1))
 
+
+def stream_floor(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> float:
+    """Fastest of a few launch shapes of `_stream_kernel` over the layers' bytes (rotating copies)."""
+    n, k = packed[0].shape[0], packed[0].shape[1] * 2
+    out = torch.empty(n, dtype=torch.int32, device="cuda")
+    best = float("inf")
+    for rows, chunk in ((2, 64), (4, 64), (8, 64), (4, 128)):
+        if n % rows or (k // 8) % chunk:
+            continue
+
+        def call(i, rows=rows, chunk=chunk):
+            _stream_kernel[(n // rows,)](packed[i].view(torch.int32), scales[i].view(torch.int32), out, k // 8, k // 64,
+                                         ROWS=rows, CHUNK=chunk, num_warps=4)  # fmt: skip
+
+        best = min(best, graph_time([lambda i=i: call(i) for i in range(len(packed))]))
+    return best
+
+
+def humming_layer(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
+    """A `humming-kernels` layer over one compressed-tensors NVFP4 weight, or None where it is not installed."""
+    try:
+        from humming.layer import HummingLayer
+    except ImportError:
+        return None
+    config = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "type": "float", "num_bits": 4,
+              "strategy": "tensor_group", "group_size": 16, "symmetric": True}  # fmt: skip
+    layer = HummingLayer(shape_n=packed.shape[0], shape_k=packed.shape[1] * 2, weight_config=config,
+                         torch_dtype=torch.bfloat16).cuda()  # fmt: skip
+    layer.load_from_tensors({"weight_packed": packed.clone(), "weight_scale": scale.clone(),
+                             "weight_global_scale": global_scale.clone()})  # fmt: skip
+    layer.transform()
+    return layer
+
+
+class Layer:
+    """Rotating copies of one (possibly grouped) projection: NVFP4 members, their fused form, the bf16 weight."""
+
+    def __init__(self, members: list[tuple[int, int]], l2_bytes: int, with_humming: bool) -> None:
+        n, k = sum(rows for rows, _ in members), members[0][1]
+        self.n, self.k = n, k
+        nvfp4_copies = max(2, -(-3 * l2_bytes // (n * k * 9 // 16)))
+        bf16_copies = max(2, -(-3 * l2_bytes // (n * k * 2)))
+        self.dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(bf16_copies)]
+        self.members, self.fused = [], []
+        for i in range(nvfp4_copies):
+            dense = self.dense[i % bf16_copies]
+            scale = shared_global_scale([dense])  # the group shares one global scale, as the quantizer does
+            parts = list(dense.split([rows for rows, _ in members]))
+            quantized = [quantize(part, scale) for part in parts]
+            self.members.append(quantized)
+            self.fused.append(quantize(dense, scale))
+        self.humming = None
+        if with_humming:  # humming's layers hold their own (re-laid) copy of the weight
+            self.humming = [layer for layer in (humming_layer(*f) for f in self.fused[:nvfp4_copies]) if layer]
+
+    @property
+    def nvfp4_weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.fused[0])
+
+
+def nvfp4_call(x, members):
+    if len(members) == 1:
+        return lambda: torch.ops.trl_qerl.nvfp4_linear(x, *members[0])
+    packed, scale, gs = (list(t) for t in zip(*members))
+    return lambda: torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, [None] * len(members))
+
+
+def chosen_kernel(x, layer: Layer, members: int) -> str:
+    key = kernels.KernelChooser.key(x, layer.n, layer.k, members)
+    return str(kernels.CHOOSER.choices.get(key, "heuristic"))
+
+
+def bench_point(layer: Layer, rows: int, variants: list[str]) -> dict:
+    n, k = layer.n, layer.k
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    io_bytes = (rows * k + rows * n) * 2
     result = {"N": n, "K": k, "M": rows}
-    ours = [lambda q=q: torch.ops.trl_qerl.nvfp4_linear(x, *q) for q in packed]
-    theirs = [lambda w=w: torch.nn.functional.linear(x, w) for w in dense]
-    result["nvfp4_s"] = graph_time(ours, copies)
-    result["bf16_s"] = graph_time(theirs, copies)
-    result["kernel"] = str(kernels.CHOOSER.choices.get(kernels.KernelChooser.key(x, n, k), "heuristic"))
-    result["nvfp4_bandwidth"] = (nvfp4_weight_bytes + io_bytes) / result["nvfp4_s"]
-    result["bf16_bandwidth"] = (bf16_weight_bytes + io_bytes) / result["bf16_s"]
+    result["nvfp4_s"] = graph_time([nvfp4_call(x, members) for members in layer.members])
+    result["kernel"] = chosen_kernel(x, layer, len(layer.members[0]))
+    result["bf16_s"] = graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.dense])
+    if layer.humming and rows <= 512:
+        try:
+            result["humming_s"] = graph_time([lambda h=h: h(x) for h in layer.humming])
+        except Exception as error:  # noqa: BLE001 - a peer's failure is reported, not fatal
+            result["humming_error"] = repr(error)[:300]
+    result["nvfp4_bandwidth"] = (layer.nvfp4_weight_bytes + io_bytes) / result["nvfp4_s"]
     if rows >= 1024:
-        ours_bw = [lambda q=q: torch.ops.trl_qerl.nvfp4_grad_input(grad, *q) for q in packed]
-        theirs_bw = [lambda w=w: grad @ w for w in dense]
-        result["nvfp4_backward_s"] = graph_time(ours_bw, copies)
-        result["bf16_backward_s"] = graph_time(theirs_bw, copies)
-    del dense, packed
-    torch.cuda.empty_cache()
+        grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        result["nvfp4_backward_s"] = graph_time(
+            [lambda q=q: torch.ops.trl_qerl.nvfp4_grad_input(grad, *q) for q in layer.fused]
+        )
+        result["bf16_backward_s"] = graph_time([lambda w=w: grad @ w for w in layer.dense])
+    if variants and rows <= kernels.MMA_MAX_ROWS and cuda_mma.supports(x, layer.members[0]):
+        result["sweep_s"] = {}
+        for variant in variants:
+            options = tuple(f"-D{define}" for define in variant.split(",") if define)
+            for config in cuda_mma.candidate_configs(rows, n, k):
+                calls = [lambda m=m, c=config, o=options: cuda_mma.matmul(x, m, c, options=o) for m in layer.members]
+                try:
+                    result["sweep_s"][f"{variant or 'default'}|{config}"] = graph_time(calls, repeats=7)
+                except RuntimeError as error:  # an instance that does not build (registers, shared memory)
+                    result["sweep_s"][f"{variant or 'default'}|{config}"] = repr(error)[:200]
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-32b"])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    parser.add_argument("--no-humming", action="store_true", help="skip the humming-kernels column")
+    parser.add_argument("--no-floor", action="store_true", help="skip the streaming-floor column")
+    parser.add_argument("--sweep", action="store_true", help="also time every CUDA decode-kernel instance")
+    parser.add_argument("--variants", nargs="+", default=[""],
+                        help="with --sweep: compile-time switches of the kernel source to compare, e.g. "
+                        "NVFP4_DEPTH=2,NVFP4_L2_PREFETCH=1 ('' is the default build)")  # fmt: skip
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--choices", default=None, help="save the tuned kernel choices here")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new shapes after this")
     args = parser.parse_args()
 
+    start = time.time()
     props = torch.cuda.get_device_properties(0)
     bandwidth = copy_bandwidth()
     print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size / 2**20:.0f} MiB, "
-          f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")  # fmt: skip
+          f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); torch {torch.__version__}, "
+          f"triton {triton.__version__}")  # fmt: skip
     results = []
     for model in args.models:
-        shapes = linear_shapes(model)
         print(f"\n### {model}\n")
-        print(
-            "| shape (N x K) | M | kernel | NVFP4 µs | bf16 µs | NVFP4/bf16 | NVFP4 TB/s (% copy) | bwd NVFP4/bf16 |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
-        for name in SHAPES:
-            n, k = shapes[name]
+        print("| shape (N x K) | M | kernel | NVFP4 µs | bf16 µs | NVFP4/bf16 | humming/bf16 | floor/bf16 "
+              "| NVFP4 TB/s (% copy) | bwd NVFP4/bf16 |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name in args.shapes:
+            if time.time() - start > args.budget_s:
+                print(f"(stopped: --budget-s {args.budget_s:.0f} reached before {model} {name})")
+                break
+            layer = Layer(projections(model)[name], props.L2_cache_size, not args.no_humming)
+            floor = None if args.no_floor else stream_floor([f[0] for f in layer.fused], [f[1] for f in layer.fused])
             for rows in args.rows:
-                r = bench_shape(n, k, rows, props.L2_cache_size) | {"model": model, "shape": name}
+                r = bench_point(layer, rows, args.variants if args.sweep else []) | {"model": model, "shape": name}
+                if floor is not None:
+                    r["floor_s"] = floor
                 results.append(r)
-                backward = f"{r['nvfp4_backward_s'] / r['bf16_backward_s']:.2f}" if "nvfp4_backward_s" in r else "-"
-                print(
-                    f"| {name} ({n}x{k}) | {rows} | {r['kernel']} | {r['nvfp4_s'] * 1e6:.1f} | {r['bf16_s'] * 1e6:.1f} "
-                    f"| {r['nvfp4_s'] / r['bf16_s']:.2f} | {r['nvfp4_bandwidth'] / 1e12:.2f} "
-                    f"({100 * r['nvfp4_bandwidth'] / bandwidth:.0f}%) | {backward} |",
-                    flush=True,
-                )
+                print(_row(name, r, bandwidth), flush=True)
+            del layer
+            torch.cuda.empty_cache()
+            if args.json:
+                _write(args.json, props.name, bandwidth, results)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"device": props.name, "copy_bandwidth": bandwidth, "results": results}, handle, indent=1)
+        _write(args.json, props.name, bandwidth, results)
     if args.choices:
         kernels.CHOOSER.save(args.choices)
 
 
+def _row(name: str, r: dict, bandwidth: float) -> str:
+    def ratio(key):
+        return f"{r[key] / r['bf16_s']:.2f}" if key in r else "-"
+
+    backward = f"{r['nvfp4_backward_s'] / r['bf16_backward_s']:.2f}" if "nvfp4_backward_s" in r else "-"
+    return (f"| {name} ({r['N']}x{r['K']}) | {r['M']} | {r['kernel']} | {r['nvfp4_s'] * 1e6:.1f} "
+            f"| {r['bf16_s'] * 1e6:.1f} | {ratio('nvfp4_s')} | {ratio('humming_s')} | {ratio('floor_s')} "
+            f"| {r['nvfp4_bandwidth'] / 1e12:.2f} ({100 * r['nvfp4_bandwidth'] / bandwidth:.0f}%) | {backward} |")  # fmt: skip
+
+
+def _write(path: str, device: str, bandwidth: float, results: list) -> None:
+    with open(path, "w") as handle:
+        json.dump({"device": device, "copy_bandwidth": bandwidth, "results": results}, handle, indent=1)
+
+
 if __name__ == "__main__":
+    os.environ.setdefault("HUMMING_CACHE_DIR", os.path.join(os.getcwd(), ".humming_cache"))
     main()
