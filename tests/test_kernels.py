@@ -120,6 +120,22 @@ def test_custom_ops_pass_opcheck():
         torch.ops.trl_qerl.nvfp4_grad_input.default, (torch.randn(5, 64, device=DEVICE), *quantized), test_utils=utils
     )
     torch.library.opcheck(torch.ops.trl_qerl.nvfp4_dequantize.default, (*quantized, torch.bfloat16), test_utils=utils)
+    others = _weight(32, 128, seed=1)
+    grouped = ([quantized[0], others[0]], [quantized[1], others[1]], [quantized[2], others[2]])
+    bias = [torch.randn(64, device=DEVICE), None]
+    torch.library.opcheck(torch.ops.trl_qerl.nvfp4_linear_grouped.default, (x, *grouped, bias), test_utils=utils)
+
+
+def test_grouped_op_equals_separate_products_and_checks_its_lists():
+    weights = [quantize(torch.randn(n, 128)) for n in (64, 16, 16)]
+    x = torch.randn(3, 128)
+    bias = [torch.randn(64), None, torch.randn(16)]
+    packed, scale, gs = (list(t) for t in zip(*weights))
+    out = torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, bias)
+    parts = [x @ dequantize(*w, dtype=x.dtype).T + (b if b is not None else 0) for w, b in zip(weights, bias)]
+    assert torch.allclose(out, torch.cat(parts, dim=1))
+    with pytest.raises(ValueError, match="one packed tensor, scale, global scale and bias per weight"):
+        torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale[:2], gs, bias)
 
 
 def test_ops_on_cpu_equal_the_reference():
