@@ -58,7 +58,7 @@ class MMAConfig:
 
     @property
     def shared_memory_bytes(self) -> int:
-        return 4 * self.k_warps * self.rows * self.tokens
+        return _partial_sums_bytes(self.m_tiles, self.n_tiles, self.k_warps)
 
     def name_expression(self, dtype: torch.dtype) -> str:
         bf16 = "true" if dtype == torch.bfloat16 else "false"
@@ -68,8 +68,13 @@ class MMAConfig:
         return f"mma {self.rows}r x {self.tokens}t kw{self.k_warps}"
 
 
+def _partial_sums_bytes(m_tiles: int, n_tiles: int, k_warps: int) -> int:
+    """Shared memory of the K-split sums: ``float partial[KW][TOKENS][ROWS]`` in csrc/nvfp4_mma.cu."""
+    return 4 * k_warps * ROWS_PER_M_TILE * m_tiles * TOKENS_PER_N_TILE * n_tiles
+
+
 def valid_config(m_tiles: int, n_tiles: int, k_warps: int) -> bool:
-    return 4 * k_warps * ROWS_PER_M_TILE * m_tiles * TOKENS_PER_N_TILE * n_tiles <= _SHARED_MEMORY_LIMIT
+    return _partial_sums_bytes(m_tiles, n_tiles, k_warps) <= _SHARED_MEMORY_LIMIT
 
 
 class _Segments(ctypes.Structure):

@@ -9,8 +9,8 @@ present wherever CUDA torch is; the driver library comes with the GPU driver. Bo
   loads the cubin into the current device's primary context (the one torch uses) and launches on torch's current
   stream, so launches are captured by CUDA graphs like any other kernel.
 
-torch has a private wrapper of the same calls (``torch.cuda._compile_kernel``); its signature changed between
-2.8 and 2.13, so this module talks to the two public C APIs instead.
+torch has a private wrapper of the same calls (``torch.cuda._compile_kernel``, no stability promise); this module
+talks to the two public C APIs instead.
 """
 
 from __future__ import annotations
