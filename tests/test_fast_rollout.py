@@ -118,6 +118,26 @@ def test_generation_sees_aqn_noise_and_its_removal():
     assert generator.captures == (1 if torch.cuda.is_available() else 0)  # captured once, replayed since
 
 
+def test_moved_parameters_are_captured_again(caplog):
+    model = _models()["nvfp4+lora"].eval()
+    generator = StaticCacheGenerator(model)  # CUDA-graphed on CUDA
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    before = generator.generate(PROMPTS, params, [1], 0)
+    state = next(iter(generator._states.values()))
+    assert generator.generate(PROMPTS, params, [1], 0) == before
+    assert next(iter(generator._states.values())) is state  # unchanged storage: the same captured step
+    lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
+    with torch.no_grad():
+        lora_b.data = lora_b.data * 0  # new storage, and a different adapter
+    with caplog.at_level(logging.INFO, logger="trl_qerl.rollout.fast"):
+        after = generator.generate(PROMPTS, params, [1], 0)
+    assert "capturing again" in caplog.text
+    assert next(iter(generator._states.values())) is not state
+    generator_fresh = StaticCacheGenerator(model, cuda_graph=False)
+    assert after == generator_fresh.generate(PROMPTS, params, [1], 0)  # the replay reads the new adapter
+    assert generator.captures == (2 if torch.cuda.is_available() else 0)
+
+
 def test_bad_sampling_parameters():
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)

@@ -16,7 +16,9 @@ trainer would pay at start-up and on every change of prompt length bucket.
 
 Everything the graph reads lives in fixed storage updated in place: LoRA weights (the optimizer), norm weights
 (the optimizer and AQN noise), the KV cache. Replays therefore see the current adapters and the current noise
-draw. NVFP4 layers run the `trl_qerl::nvfp4_linear` custom op inside the graph.
+draw. If a parameter or buffer moves (``param.data = ...``, a device round trip), the next rollout notices and
+captures again instead of replaying a graph that reads freed memory. NVFP4 layers run the `trl_qerl::nvfp4_linear`
+custom op inside the graph.
 
 Sampling follows transformers' order and semantics: temperature, top-k, top-p, min-p, then a draw from the
 filtered distribution (``temperature=0`` decodes greedily).
@@ -54,11 +56,20 @@ def _bucket(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
+def storage_fingerprint(model) -> tuple[int, ...]:
+    """Where every parameter and buffer of ``model`` lives (data pointers, in module order). A captured decode step
+    reads these addresses; an assignment such as ``param.data = ...`` or a device round trip moves one, and
+    replaying the old graph would then read freed memory."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return tuple(t.data_ptr() for t in tensors)
+
+
 class _DecodeState:
     """Fixed buffers of one (batch, cache length, sampling) shape and the in-place decode step over them."""
 
     def __init__(self, model, batch, cache_len, params, eos, pad_id, device, mask_dtype, graph: bool) -> None:
         self.model, self.params, self.eos, self.pad_id = model, params, eos, pad_id
+        self.storage = storage_fingerprint(model)
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         self.cache_argument = cache_argument(model)
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
@@ -253,6 +264,9 @@ class StaticCacheGenerator:
 
     def _state(self, batch, cache_len, params, eos_token_ids, pad_id, device) -> _DecodeState:
         key = (batch, cache_len, params, tuple(eos_token_ids), pad_id)
+        if key in self._states and self._states[key].storage != storage_fingerprint(self.model):
+            logger.info("the model's parameters moved in memory since the decode step was captured; capturing again")
+            self._states = {}
         if key not in self._states:
             eos = torch.tensor(list(eos_token_ids), device=device)
             self._states = {}  # keep one set of buffers (and one KV cache) alive at a time
