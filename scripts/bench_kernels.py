@@ -34,7 +34,7 @@ import time
 import torch
 import triton
 import triton.language as tl
-from model_shapes import qwen25_config
+from model_shapes import linear_shapes
 
 from trl_qerl.nvfp4 import cuda_mma, kernels
 from trl_qerl.nvfp4.format import quantize, shared_global_scale
@@ -46,14 +46,13 @@ SHAPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def projections(model: str) -> dict[str, list[tuple[int, int]]]:
     """``{shape: [(out, in) of each weight the launch reads]}`` of one decoder layer."""
-    config = qwen25_config(model)
-    hidden, inter = config.hidden_size, config.intermediate_size
-    kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
+    shapes = linear_shapes(model)
+    gate_up_rows, hidden = shapes["gate_up_proj"]
     return {
-        "qkv_proj": [(hidden, hidden), (kv, hidden), (kv, hidden)],
-        "o_proj": [(hidden, hidden)],
-        "gate_up_proj": [(inter, hidden), (inter, hidden)],
-        "down_proj": [(hidden, inter)],
+        "qkv_proj": [shapes["q_proj"], shapes["kv_proj"], shapes["kv_proj"]],
+        "o_proj": [shapes["o_proj"]],
+        "gate_up_proj": [(gate_up_rows // 2, hidden)] * 2,
+        "down_proj": [shapes["down_proj"]],
     }
 
 

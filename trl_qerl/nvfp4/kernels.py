@@ -899,11 +899,8 @@ def nvfp4_linear_grouped_op(
     gate/up): one launch on CUDA where the decode kernel applies, read in place (no concatenated copy)."""
     if not weight_packed or not len(weight_packed) == len(weight_scale) == len(weight_global_scale) == len(bias):
         raise ValueError("nvfp4_linear_grouped: give one packed tensor, scale, global scale and bias per weight.")
-    weights = list(zip(weight_packed, weight_scale, weight_global_scale))
-    if len(weights) > cuda_mma.MAX_SEGMENTS or x.device.type != "cuda":
-        outs = [nvfp4_linear_op(x, *weight) for weight in weights]
-        return torch.cat([o + b.to(o.dtype) if b is not None else o for o, b in zip(outs, bias)], dim=1)
-    return grouped_linear(x, weights, bias)
+    # (off CUDA, or with more weights than one launch takes, `grouped_linear` computes one product per weight)
+    return grouped_linear(x, list(zip(weight_packed, weight_scale, weight_global_scale)), bias)
 
 
 @nvfp4_linear_grouped_op.register_fake
