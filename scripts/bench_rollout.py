@@ -1,5 +1,10 @@
 """Rollout throughput: TRL's default generate vs transformers' compiled static-cache generate vs our CUDA-graph
-backend (bf16 + LoRA, and NVFP4 + LoRA + AQN), all in one run on one GPU.
+backend (bf16 + LoRA, and NVFP4 + LoRA + AQN) with each decode engine, all in one run on one GPU.
+
+Engines of our backend (`StaticCacheGenerator(engine=..., compile=...)`): ``model`` calls the model's forward on a
+transformers StaticCache; ``fused`` runs `FusedDecoder` eagerly; ``fused+compile`` compiles its layers. Each is
+captured as a CUDA graph. ``--profile`` adds, per engine, the kernels of one (uncaptured) decode step at batch 1
+by name and category: the same kernels the graph replays.
 
 Random weights at real Qwen2.5 shapes are built directly on the GPU (no checkpoint). Prompts of exactly
 ``--prompt-tokens`` random tokens, sampling at temperature 1 (random weights practically never emit EOS, so every
@@ -13,6 +18,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 import warnings
@@ -54,6 +60,66 @@ def ours(generator, batch, prompt_tokens, new_tokens, vocab):
     return lambda: generator.generate(prompts, params, eos_token_ids=[1], pad_token_id=0)
 
 
+ENGINES = {"model": dict(engine="model", compile=False), "fused": dict(engine="fused", compile=False),
+           "fused+compile": dict(engine="fused", compile=True)}  # fmt: skip
+
+
+def category(kernel: str) -> str:
+    """Coarse kind of a CUDA kernel, by name (for the decode-step time split)."""
+    name = kernel.lower()
+    if name.startswith(("triton_", "cpp_fused")):  # inductor names fusions after the ops they feed
+        return "elementwise / norms / glue"
+    if "nvfp4" in name:
+        return "NVFP4 matmul"
+    if "splitk" in name:
+        return "NVFP4 split-K reduce"
+    if any(key in name for key in ("fmha", "attention", "flash", "attn")):
+        return "attention"
+    if any(key in name for key in ("gemv", "gemm", "cutlass", "xmma", "sm90_", "splitkreduce", "cublas")):
+        return "cuBLAS (LoRA, lm_head, bf16 weights)"
+    if any(key in name for key in ("argmax", "sort", "topk", "exponential", "uniform", "distribution", "softmax",
+                                   "log_softmax", "isin", "cunn_")):  # fmt: skip
+        return "sampling"
+    return "elementwise / norms / glue"
+
+
+def profile_step(generator, label, rows):
+    """Kernels of one eager decode step of ``generator``'s current state (batch and shape of its last call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = next(iter(generator._states.values()))
+    position = int(state.cache_position)
+    state.cache_position.fill_(position - 2)  # stay inside the cache and the output buffers
+    state.step_index.fill_(1)
+    state.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        state.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    split, names = {}, {}
+    for event in events:
+        kind = category(event.name)
+        split.setdefault(kind, [0, 0.0])
+        split[kind][0] += 1
+        split[kind][1] += event.device_time_total
+        names.setdefault(event.name, [0, 0.0])
+        names[event.name][0] += 1
+        names[event.name][1] += event.device_time_total
+    total = sum(t for _, t in split.values())
+    print(f"\nprofile {label}: {len(events)} kernels, {total / 1e3:.2f} ms of kernel time per decode step")
+    print("| category | kernels | ms |\n|---|---|---|")
+    for kind, (count, time_us) in sorted(split.items(), key=lambda item: -item[1][1]):
+        print(f"| {kind} | {count} | {time_us / 1e3:.3f} |")
+    top = sorted(names.items(), key=lambda item: -item[1][1])[:12]
+    for name, (count, time_us) in top:
+        print(f"  {time_us / 1e3:7.3f} ms {count:5d}x {name[:110]}")
+    rows.append({"profile": label, "kernels": len(events), "kernel_ms": total / 1e3,
+                 "split": {k: {"kernels": c, "ms": t / 1e3} for k, (c, t) in split.items()},
+                 "kernels_by_name": [{"name": n, "count": c, "ms": t / 1e3, "kind": category(n)}
+                                     for n, (c, t) in sorted(names.items(), key=lambda item: -item[1][1])]})  # fmt: skip
+
+
 def measure(name, make_call, batch, new_tokens, rows, repeat_first=True):
     try:
         first, _ = timed(make_call)
@@ -80,6 +146,9 @@ def main() -> None:
     parser.add_argument("--compiled-batches", nargs="*", type=int, default=[8], help="batches for the compiled HF run")
     parser.add_argument("--lora-r", type=int, default=32)
     parser.add_argument("--sigma", type=float, default=1e-2, help="AQN noise on the NVFP4 run")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--skip-bf16", action="store_true", help="measure only the NVFP4 model")
+    parser.add_argument("--profile", action="store_true", help="kernel profile of one decode step per engine")
     parser.add_argument("--json", default=None)
     parser.add_argument("--choices", default=None, help="save the kernel choices made during the run")
     args = parser.parse_args()
@@ -100,24 +169,30 @@ def main() -> None:
         measure("transformers static-cache compiled, bf16",
                 hf_generate(model, batch, args.prompt_tokens, args.new_tokens, vocab, True), batch, args.new_tokens, rows)  # fmt: skip
 
+    def run_engines(model, label, context):
+        for engine in args.engines:
+            generator = StaticCacheGenerator(model, **ENGINES[engine])
+            with context():
+                for batch in args.batches:
+                    measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens, args.new_tokens,
+                            vocab), batch, args.new_tokens, rows)  # fmt: skip
+                if args.profile:
+                    ours(generator, 1, args.prompt_tokens, 8, vocab)()
+                    profile_step(generator, f"{engine}, {label}, batch 1", rows)
+            print(f"graph captures ({engine}): {generator.captures}", flush=True)
+            del generator
+            torch.cuda.empty_cache()
+
     peft_model = get_peft_model(model, nvfp4_lora_config(model, r=args.lora_r, train_norms=False))
-    generator = StaticCacheGenerator(peft_model)
-    for batch in args.batches:
-        measure(f"ours, bf16 + LoRA r{args.lora_r}", ours(generator, batch, args.prompt_tokens, args.new_tokens, vocab),
-                batch, args.new_tokens, rows)  # fmt: skip
-    del generator
+    if not args.skip_bf16:
+        run_engines(peft_model, f"bf16 + LoRA r{args.lora_r}", contextlib.nullcontext)
     model = quantize_model(peft_model.unload())  # drop the bf16 adapters, then NVFP4 in place
     del peft_model
     torch.cuda.empty_cache()
     peft_model = get_peft_model(model, nvfp4_lora_config(model, r=args.lora_r, train_norms=False))
     noise = NormNoise(peft_model, seed=0)
     noise.set_step(1, args.sigma)
-    generator = StaticCacheGenerator(peft_model)
-    with noise.rollout():
-        for batch in args.batches:
-            measure(f"ours, NVFP4 + LoRA r{args.lora_r} + AQN", ours(generator, batch, args.prompt_tokens,
-                    args.new_tokens, vocab), batch, args.new_tokens, rows)  # fmt: skip
-    print(f"graph captures: {generator.captures}")
+    run_engines(peft_model, f"NVFP4 + LoRA r{args.lora_r} + AQN", noise.rollout)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     if args.choices:

@@ -17,6 +17,13 @@ from .format import dequantize
 
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Tensors = list[torch.Tensor]
+GroupedFn = Callable[[torch.Tensor, Tensors, Tensors, Tensors, list[torch.Tensor | None]], torch.Tensor]
+
+
+def _reference_grouped(x, weight_packed, weight_scale, weight_global_scale, bias):
+    outs = [_reference_linear(x, *weight) for weight in zip(weight_packed, weight_scale, weight_global_scale)]
+    return torch.cat([out + b.to(out.dtype) if b is not None else out for out, b in zip(outs, bias)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -27,11 +34,14 @@ class NVFP4Kernels:
         linear: ``(x, weight_packed, weight_scale, weight_global_scale) -> x @ W.T`` (no bias), in ``x.dtype``.
         grad_input: ``(grad_out, weight_packed, weight_scale, weight_global_scale) -> grad_out @ W``.
         name: shown in logs and benchmarks.
+        grouped: ``(x, packed[], scale[], global_scale[], bias[]) -> cat([x @ W_i.T + b_i], dim=1)`` for weights
+            that read the same activations (q/k/v, gate/up); the reference computes one product per weight.
     """
 
     linear: LinearFn
     grad_input: LinearFn
     name: str
+    grouped: GroupedFn = _reference_grouped
 
 
 def _reference_linear(x, weight_packed, weight_scale, weight_global_scale):
@@ -68,4 +78,9 @@ def _load_cuda_kernels() -> None:
         register_kernels("cuda", REFERENCE_KERNELS)
         return
     ops = torch.ops.trl_qerl  # the custom ops `kernels` defined (CUDA-graph and torch.compile safe)
-    register_kernels("cuda", NVFP4Kernels(ops.nvfp4_linear, ops.nvfp4_grad_input, name=kernels.KERNELS_NAME))
+    register_kernels(
+        "cuda",
+        NVFP4Kernels(
+            ops.nvfp4_linear, ops.nvfp4_grad_input, name=kernels.KERNELS_NAME, grouped=ops.nvfp4_linear_grouped
+        ),
+    )

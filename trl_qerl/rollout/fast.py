@@ -7,12 +7,17 @@ gpt-fast's recipe on transformers' own machinery:
   bookkeeping, advancing positions) works entirely in place on fixed buffers, so on CUDA it is captured once as a
   CUDA graph and replayed for every token: no per-token host work but the replay launch and an "all finished?"
   check every ``check_every`` steps;
-* attention masks are passed ready-made in 4D (transformers returns those as-is), so no mask-building code with
-  host synchronisation runs inside the graph.
+* attention masks are passed ready-made in 4D, so no mask-building code with host synchronisation runs inside the
+  graph.
 
-CUDA graphs are captured from the eager step rather than through ``torch.compile(mode="reduce-overhead")``:
-capture takes about a second, where compiling a 7B decode step costs 30-50 s for every new shape, which a
-trainer would pay at start-up and on every change of prompt length bucket.
+The decode step itself is `fused_decode.FusedDecoder` where the model is a Llama/Mistral/Qwen2/Qwen3 (its layers
+recomputed over the model's tensors, read in place by `decoder_spec.read_decoder`; on CUDA each layer compiled once,
+~640 kernels per 7B step instead of ~2,900), else the model's own forward on a transformers `StaticCache`.
+
+CUDA graphs are captured from the step directly rather than through ``torch.compile(mode="reduce-overhead")``:
+capture takes about a second, where compiling transformers' whole 7B decode step costs 30-50 s for every new shape.
+The fused step compiles one decoder layer (one graph serves every layer, a few seconds); the first change of
+batch or cache length compiles once more with dynamic sizes, later shape buckets only capture again.
 
 Everything the graph reads lives in fixed storage updated in place: LoRA weights (the optimizer), norm weights
 (the optimizer and AQN noise), the KV cache. Replays therefore see the current adapters and the current noise
@@ -34,6 +39,8 @@ from typing import NamedTuple
 import torch
 from transformers import StaticCache
 
+from .decoder_spec import UnsupportedDecoder, read_decoder
+from .fused_decode import FusedDecoder
 from .generate import TransformersRollout, sampling_params
 from .sampling import SamplingParams, filter_logits, sample_tokens, sample_with_stats
 
@@ -52,6 +59,11 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+"""Attention implementations the model-forward path can feed a ready-made 4D mask."""
+ENGINES = ("auto", "fused", "model")
+
+
 def _bucket(value: int, step: int) -> int:
     return -(-value // step) * step
 
@@ -64,14 +76,47 @@ def storage_fingerprint(model) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in tensors)
 
 
+class _ModelForward:
+    """Decoding through the model's own forward and a transformers `StaticCache` (any architecture)."""
+
+    def __init__(self, model, batch: int, cache_len: int, mask_dtype: torch.dtype) -> None:
+        self.model = model
+        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        self.cache_argument = cache_argument(model)
+        self.cache_len, self.mask_dtype = cache_len, mask_dtype
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def prefill(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache_position=cache_position,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: self.cache},
+        ).logits[:, -1]
+
+    def decode(self, tokens, positions, cache_position, mask) -> torch.Tensor:
+        return self.model(
+            input_ids=tokens[:, None],
+            position_ids=positions[:, None],
+            cache_position=cache_position,
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_argument: self.cache},
+        ).logits[:, -1]
+
+
 class _DecodeState:
     """Fixed buffers of one (batch, cache length, sampling) shape and the in-place decode step over them."""
 
-    def __init__(self, model, batch, cache_len, params, eos, pad_id, device, mask_dtype, graph: bool) -> None:
-        self.model, self.params, self.eos, self.pad_id = model, params, eos, pad_id
+    def __init__(self, model, backend, batch, params, eos, pad_id, device, graph: bool) -> None:
+        self.model, self.backend, self.params, self.eos, self.pad_id = model, backend, params, eos, pad_id
         self.storage = storage_fingerprint(model)
-        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
-        self.cache_argument = cache_argument(model)
+        cache_len = backend.cache_len
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.cache_position = torch.zeros(1, dtype=torch.long, device=device)
@@ -80,8 +125,8 @@ class _DecodeState:
         self.out = torch.full((batch, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(batch, params.max_new_tokens, dtype=torch.float32, device=device)
         self.entropy = torch.zeros_like(self.logprobs)
-        self.visible, self.hidden = _mask_values(mask_dtype)
-        self.mask = torch.full((batch, 1, 1, cache_len), self.hidden, dtype=mask_dtype, device=device)
+        self.visible, self.hidden = _mask_values(backend.mask_dtype)
+        self.mask = torch.full((batch, 1, 1, cache_len), self.hidden, dtype=backend.mask_dtype, device=device)
         self.graph = None
         if graph:
             self._capture()
@@ -89,14 +134,7 @@ class _DecodeState:
     def step(self) -> None:
         """Decode one token for every row, entirely in place (capturable)."""
         self.mask.index_fill_(-1, self.cache_position, self.visible)
-        logits = self.model(
-            input_ids=self.tokens[:, None],
-            position_ids=self.positions[:, None],
-            cache_position=self.cache_position,
-            attention_mask=self.mask,
-            use_cache=True,
-            **{self.cache_argument: self.cache},
-        ).logits[:, -1]
+        logits = self.backend.decode(self.tokens, self.positions, self.cache_position, self.mask)
         next_tokens, logprob, entropy = sample_with_stats(logits, self.params)
         next_tokens = torch.where(self.finished, torch.full_like(next_tokens, self.pad_id), next_tokens)
         self.finished |= torch.isin(next_tokens, self.eos)
@@ -147,11 +185,16 @@ class StaticCacheGenerator:
     """Batched sampling with a static KV cache and, on CUDA, a CUDA-graphed decode step.
 
     Args:
-        model: a causal LM (NVFP4 or 16-bit, PEFT-wrapped or not) using "sdpa" or "eager" attention.
+        model: a causal LM (NVFP4 or 16-bit, PEFT-wrapped or not).
         cuda_graph: capture the decode step (default: on CUDA).
         batch_bucket / length_bucket: batch and cache lengths are rounded up to multiples of these, so that a
             captured step is reused across rollouts.
         check_every: decode steps between "are all rows finished?" checks (each is one host synchronisation).
+        engine: ``"fused"`` decodes with `FusedDecoder` over the model's tensors (Llama, Mistral, Qwen2, Qwen3;
+            LoRA and AQN norms read in place); ``"model"`` calls the model's forward on a transformers
+            `StaticCache` ("sdpa" or "eager" attention); ``"auto"`` (default) takes "fused" where it applies and
+            logs why not otherwise.
+        compile: run the fused step's layers through ``torch.compile`` (default: on CUDA).
     """
 
     def __init__(
@@ -161,20 +204,44 @@ class StaticCacheGenerator:
         batch_bucket: int = 1,
         length_bucket: int = 256,
         check_every: int = 16,
+        engine: str = "auto",
+        compile: bool | None = None,
     ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"Unknown engine={engine!r}; use one of {ENGINES}.")
         self.model = model
         device = next(model.parameters()).device
         self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+        self.compile = device.type == "cuda" if compile is None else compile
         self.batch_bucket, self.length_bucket, self.check_every = batch_bucket, length_bucket, check_every
-        implementation = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-        if implementation not in ("sdpa", "eager"):
-            raise ValueError(
-                f"StaticCacheGenerator needs 'sdpa' or 'eager' attention, the model uses {implementation!r}."
-            )
-        self.mask_dtype = torch.bool if implementation == "sdpa" else model.dtype
+        self.engine = self._choose_engine(engine)
         self._states: dict[tuple, _DecodeState] = {}
         self.captures = 0
         """Number of decode-step captures (one per shape bucket and sampling setting) in this process."""
+
+    def _choose_engine(self, engine: str) -> str:
+        if engine in ("auto", "fused"):
+            try:
+                read_decoder(self.model)
+                return "fused"
+            except UnsupportedDecoder as reason:
+                if engine == "fused":
+                    raise
+                logger.info("fused decode step unavailable (%s); decoding through the model's forward", reason)
+        implementation = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if implementation not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"StaticCacheGenerator decodes this model through its forward, which needs 'sdpa' or 'eager' "
+                f"attention; the model uses {implementation!r}."
+            )
+        return "model"
+
+    def _backend(self, batch: int, cache_len: int, device):
+        if self.engine == "fused":
+            return FusedDecoder(read_decoder(self.model), batch, cache_len, device, compile=self.compile)
+        implementation = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+        mask_dtype = torch.bool if implementation == "sdpa" else self.model.dtype
+        return _ModelForward(self.model, batch, cache_len, mask_dtype)
 
     def generate(
         self,
@@ -218,7 +285,7 @@ class StaticCacheGenerator:
         model.eval()
         try:
             state = self._state(batch, cache_len, params, eos_token_ids, pad_token_id, device)
-            state.cache.reset()
+            state.backend.reset()
             first, first_logprob, first_entropy = self._prefill(state, input_ids, padding, prompt_len)
             state.tokens.copy_(first)
             state.positions.copy_(lengths)
@@ -251,15 +318,12 @@ class StaticCacheGenerator:
         causal = torch.ones(prompt_len, cache_len, dtype=torch.bool, device=padding.device).tril()
         visible = causal[None, None] & padding[:, None, None, :]
         mask = torch.where(visible, state.visible, state.hidden).to(state.mask.dtype)
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=(padding[:, :prompt_len].long().cumsum(dim=1) - 1).clamp_(min=0),
-            cache_position=torch.arange(prompt_len, device=input_ids.device),
-            use_cache=True,
-            logits_to_keep=1,
-            **{state.cache_argument: state.cache},
-        ).logits[:, -1]
+        logits = state.backend.prefill(
+            input_ids,
+            mask,
+            (padding[:, :prompt_len].long().cumsum(dim=1) - 1).clamp_(min=0),
+            torch.arange(prompt_len, device=input_ids.device),
+        )
         return sample_with_stats(logits, state.params)
 
     def _state(self, batch, cache_len, params, eos_token_ids, pad_id, device) -> _DecodeState:
@@ -270,9 +334,8 @@ class StaticCacheGenerator:
         if key not in self._states:
             eos = torch.tensor(list(eos_token_ids), device=device)
             self._states = {}  # keep one set of buffers (and one KV cache) alive at a time
-            self._states[key] = _DecodeState(
-                self.model, batch, cache_len, params, eos, pad_id, device, self.mask_dtype, self.cuda_graph
-            )
+            backend = self._backend(batch, cache_len, device)
+            self._states[key] = _DecodeState(self.model, backend, batch, params, eos, pad_id, device, self.cuda_graph)
             self.captures += int(self.cuda_graph)
         return self._states[key]
 
@@ -290,7 +353,6 @@ def _trim(rows: list[list[int]], eos: set[int]) -> list[list[int]]:
 
 
 # -- the trainer's backend --------------------------------------------------------------------------------------
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 class FastRollout:
@@ -347,6 +409,14 @@ def _unsupported(trainer, images) -> str | None:
     if getattr(trainer, "tools", None):
         return "tool calling"
     attention = getattr(trainer.model.config, "_attn_implementation", None) or "sdpa"
-    if attention not in SUPPORTED_ATTENTION:
+    if attention not in SUPPORTED_ATTENTION and not _fused_step_applies(trainer.model):
         return f"attn_implementation={attention!r} (the static-cache step supports {list(SUPPORTED_ATTENTION)})"
     return None
+
+
+def _fused_step_applies(model) -> bool:
+    try:
+        read_decoder(model)
+    except UnsupportedDecoder:
+        return False
+    return True

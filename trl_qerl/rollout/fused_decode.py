@@ -1,0 +1,239 @@
+"""A decode step written against the model's tensors (`DecoderSpec`), not its modules.
+
+transformers' forward spends most of a batch-1 decode step outside the matrix products: PEFT's per-adapter chains
+(casts, dropout, scaling, adds), norms, rotary, mask handling, one launch each. This step computes the same
+layer (the formulas of transformers' Llama/Qwen2/Qwen3 code, in the same order and dtypes) with fewer launches:
+
+* q/k/v and gate/up each run as one NVFP4 launch (`trl_qerl::nvfp4_linear_grouped` on CUDA, bias in the epilogue) reading
+  the stored tensors in place;
+* LoRA products run in the adapters' dtype (fp32 masters: no per-step weight casts), the shrink of adapters that
+  read the same activations as one product (`lora_shrink`), and the result is rounded once when added to the base
+  output; in a compiled decode step they are written as reductions that fuse into the neighbouring kernels;
+* attention reads the KV cache through one `scaled_dot_product_attention` call per layer, the query heads of a
+  key/value head folded into the query length (no repeated keys);
+* optionally (``compile=True``) the whole layer runs through ``torch.compile``, so the elementwise glue (residual
+  adds, norms with their fp32 weights, rotary, SiLU) fuses into a few kernels. One compiled graph serves every layer.
+
+The KV cache belongs to the decoder (``[batch, kv_heads, cache_len, head_dim]`` per layer). Prefill runs the same
+layer code eagerly on the whole prompt. Rows attend through an additive mask in the model dtype (a boolean mask
+would be converted by SDPA in every layer).
+
+Dropout is not applied: rollouts run with the model in eval mode, where PEFT's LoRA dropout is the identity.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..nvfp4.dispatch import kernels_for
+from .decoder_spec import DecoderSpec, LayerSpec, NormSpec, Projection
+
+
+__all__ = ["FusedDecoder", "apply_rotary", "attention", "lora_shrink", "project", "rms_norm"]
+
+
+logger = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, norm: NormSpec) -> torch.Tensor:
+    """transformers' Llama RMSNorm: normalise in fp32, round to the input dtype, multiply by the weight (fp32 for
+    trained or AQN norms, whose product is rounded to the input dtype once, as `trl_qerl.norms` does)."""
+    dtype = x.dtype
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (norm.weight * normed.to(dtype)).to(dtype)
+
+
+def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list[torch.Tensor]]:
+    """``x @ A.T`` for every LoRA term of ``projections`` (per projection, per term), in the adapters' dtype. Terms
+    that share a dtype and rank are computed as one product over their concatenated A matrices: concatenating a
+    few rank-r matrices costs less than the launches it saves at decode sizes."""
+    terms = [(i, j, term) for i, p in enumerate(projections) for j, term in enumerate(p.lora)]
+    out: list[list[torch.Tensor]] = [[None] * len(p.lora) for p in projections]  # type: ignore[list-item]
+    if not terms:
+        return out
+    dtype = terms[0][2].lora_a.dtype
+    if len(terms) > 1 and all(t.lora_a.dtype == dtype for _, _, t in terms):
+        stacked = torch.cat([t.lora_a for _, _, t in terms])
+        hidden = F.linear(x.to(dtype), stacked).split([t.lora_a.shape[0] for _, _, t in terms], dim=-1)
+        for (i, j, _), h in zip(terms, hidden):
+            out[i][j] = h
+        return out
+    for i, j, term in terms:
+        out[i][j] = F.linear(x.to(term.lora_a.dtype), term.lora_a)
+    return out
+
+
+def project(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Tensor]:
+    """``base(x) + Σ scaling·B(A(x))`` for projections that read the same ``x[M, K]``; one output per projection
+    in ``x``'s dtype. NVFP4 bases run as one grouped launch."""
+    if all(p.is_nvfp4 for p in projections) and len(projections) > 1:
+        fused = kernels_for(x.device).grouped(
+            x, [p.packed for p in projections], [p.scale for p in projections],
+            [p.global_scale for p in projections], [p.bias for p in projections],
+        )  # fmt: skip
+        outputs = list(fused.split([p.out_features for p in projections], dim=-1))
+    else:
+        outputs = [_base_product(x, p) for p in projections]
+    if not any(p.lora for p in projections):
+        return outputs
+    if torch.compiler.is_compiling() and x.shape[0] <= LORA_REDUCTION_ROWS:
+        return _add_lora_as_reductions(x, projections, outputs)
+    shrunk = lora_shrink(x, projections)
+    for index, (projection, hidden) in enumerate(zip(projections, shrunk)):
+        if projection.lora:
+            update = sum(F.linear(h, term.lora_b) * term.scaling for term, h in zip(projection.lora, hidden))
+            outputs[index] = (outputs[index] + update).to(x.dtype)
+    return outputs
+
+
+LORA_REDUCTION_ROWS = 64
+"""Up to this many rows, a compiled step writes LoRA products as multiply-and-sum reductions (see below)."""
+
+
+def _add_lora_as_reductions(x, projections, outputs):
+    # At decode sizes a LoRA product is two tiny GEMVs, each a cuBLAS launch (plus a reduction launch for fp32).
+    # Written as broadcast-multiply-sum, inductor fuses the shrink into one reduction kernel per input and the
+    # expand into the kernel that adds it to the base output (rounding once): no LoRA launches of their own.
+    for index, projection in enumerate(projections):
+        if not projection.lora:
+            continue
+        update = 0
+        for term in projection.lora:
+            hidden = (x[:, None, :].to(term.lora_a.dtype) * term.lora_a[None]).sum(-1)
+            update = update + (hidden[:, None, :] * term.lora_b[None]).sum(-1) * term.scaling
+        outputs[index] = (outputs[index] + update).to(x.dtype)
+    return outputs
+
+
+def _base_product(x: torch.Tensor, projection: Projection) -> torch.Tensor:
+    if projection.is_nvfp4:
+        out = kernels_for(x.device).linear(x, projection.packed, projection.scale, projection.global_scale)
+        return out + projection.bias.to(out.dtype) if projection.bias is not None else out
+    return F.linear(x, projection.weight, projection.bias)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' ``apply_rotary_pos_emb`` for ``[batch, heads, tokens, head_dim]`` tensors."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float):
+    """Grouped-query attention of ``q[B, H, T, D]`` over the cache ``[B, KVH, L, D]`` with an additive mask
+    ``[B, 1, T, L]``. One decode token folds a key/value head's query heads into the query length, so the keys
+    are read once per group and not repeated."""
+    batch, heads, tokens, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    if tokens == 1:
+        out = F.scaled_dot_product_attention(
+            q.reshape(batch, kv_heads, group, head_dim), keys, values, attn_mask=mask, scale=scaling
+        )
+        return out.reshape(batch, heads, 1, head_dim)
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+
+
+def decoder_layer(
+    spec: DecoderSpec,
+    layer: LayerSpec,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    cache_position: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """One decoder layer on ``x[B, T, C]``; writes this layer's keys/values at ``cache_position`` in place."""
+    batch, tokens, width = x.shape
+    h = rms_norm(x, layer.input_norm).reshape(batch * tokens, width)
+    q, k, v = project(h, layer.qkv)
+    q = q.view(batch, tokens, -1, spec.head_dim)
+    k = k.view(batch, tokens, -1, spec.head_dim)
+    if layer.q_norm is not None:
+        q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
+    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    cache_k.index_copy_(2, cache_position, k)
+    cache_v.index_copy_(2, cache_position, v.view(batch, tokens, -1, spec.head_dim).transpose(1, 2))
+    attended = attention(q, cache_k, cache_v, mask, spec.scaling)
+    attended = attended.transpose(1, 2).reshape(batch * tokens, -1)
+    x = x + project(attended, (layer.o,))[0].view(batch, tokens, width)
+    h = rms_norm(x, layer.post_attention_norm).reshape(batch * tokens, width)
+    gate, up = project(h, layer.gate_up)
+    return x + project(F.silu(gate) * up, (layer.down,))[0].view(batch, tokens, width)
+
+
+def _compiled_layer():
+    # emulate_precision_casts: round where the eager code rounds (to bf16 after each op), so that compiled and eager
+    # steps compute the same numbers up to summation order, and the rollout's log-probs stay those of the trainer.
+    return torch.compile(decoder_layer, fullgraph=True, options={"emulate_precision_casts": True})
+
+
+class FusedDecoder:
+    """Prefill and decode over a `DecoderSpec` with its own static KV cache.
+
+    Args:
+        spec: the model's tensors (`read_decoder`).
+        batch / cache_len: cache shape; ``cache_len`` must not exceed the model's sliding window.
+        device: where the cache lives.
+        compile: run each decode layer through ``torch.compile`` (one graph for all layers; prefill stays eager).
+    """
+
+    def __init__(self, spec: DecoderSpec, batch: int, cache_len: int, device, compile: bool = False) -> None:
+        if spec.sliding_window is not None and cache_len > spec.sliding_window:
+            raise ValueError(
+                f"cache length {cache_len} exceeds the model's sliding window {spec.sliding_window}; the fused step "
+                "attends to the whole cache."
+            )
+        self.spec, self.cache_len = spec, cache_len
+        shape = (batch, spec.num_kv_heads, cache_len, spec.head_dim)
+        self.keys = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in spec.layers]
+        self.values = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in spec.layers]
+        self.mask_dtype = spec.dtype
+        self._decode_layer = _compiled_layer() if compile else decoder_layer
+
+    def reset(self) -> None:
+        for tensor in (*self.keys, *self.values):
+            tensor.zero_()
+
+    @torch.no_grad()
+    def prefill(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
+        """Logits ``[B, V]`` of the prompt's last position; fills the cache at ``cache_position``."""
+        return self._forward(decoder_layer, input_ids, mask, position_ids, cache_position)
+
+    @torch.no_grad()
+    def decode(self, tokens, positions, cache_position, mask) -> torch.Tensor:
+        """Logits ``[B, V]`` for one new token per row (``tokens[B]`` at ``positions[B]``); capturable.
+
+        If compiling fails (the first call compiles, outside any graph capture), one warning, then eager layers."""
+        args = (tokens[:, None], mask, positions[:, None], cache_position)
+        if self._decode_layer is not decoder_layer:
+            try:
+                return self._forward(self._decode_layer, *args)
+            except Exception as error:  # noqa: BLE001 - a compiler problem must not stop rollouts
+                message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+                logger.warning("compiling the fused decode step failed (%s: %s); running it eagerly",
+                               type(error).__name__, message)  # fmt: skip
+                self._decode_layer = decoder_layer
+        return self._forward(decoder_layer, *args)
+
+    def _forward(self, layer_fn, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
+        spec = self.spec
+        x = F.embedding(input_ids, spec.embed)
+        cos, sin = spec.rotary(x, position_ids)
+        for layer, cache_k, cache_v in zip(spec.layers, self.keys, self.values):
+            x = layer_fn(spec, layer, x, cos, sin, cache_k, cache_v, cache_position, mask)
+        last = rms_norm(x[:, -1], spec.final_norm)
+        return project(last, (spec.lm_head,))[0]
