@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from model_shapes import NAMES, qwen25_config, synthetic_tokenizer, write_checkpoint
+from model_shapes import NAMES, build_nvfp4_streamed, qwen25_config, synthetic_tokenizer, write_checkpoint
 from transformers import AutoModelForCausalLM
 
 from trl_qerl.config import QeRLConfig
@@ -48,8 +48,20 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    model = str(checkpoint)
-    if checkpoint is None:  # build the 16-bit model in device memory; the trainer quantises it in place
+    model, build = str(checkpoint), {}
+    if args.streamed:  # NVFP4 tensor by tensor: the 16-bit model never exists (72B: ~145 GB)
+        if mode != "nvfp4":
+            raise SystemExit("--streamed builds NVFP4 models only; run the 16-bit modes with --in-memory")
+        model = build_nvfp4_streamed(qwen25_config(args.model), "cuda" if cuda else "cpu")
+        size = sum(t.numel() * t.element_size() for t in model.parameters())
+        build = {"build_peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
+                 "model_gb": size / 1e9}  # fmt: skip
+        print(
+            f"streamed NVFP4 build: model {build['model_gb']:.2f} GB, peak allocated while building "
+            f"{build['build_peak_gb']:.2f} GB ({build['build_peak_gb'] / build['model_gb']:.2f}x)",
+            flush=True,
+        )
+    elif checkpoint is None:  # build the 16-bit model in device memory; the trainer quantises it in place
         with torch.device("cuda" if cuda else "cpu"):
             model = AutoModelForCausalLM.from_config(qwen25_config(args.model), dtype=torch.bfloat16)
     config = QeRLConfig(
@@ -82,7 +94,7 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
     weight_bytes = sum(t.numel() * t.element_size() for t in base.parameters() if not t.requires_grad)
     trainable_bytes = sum(t.numel() * t.element_size() for t in trainer.model.parameters() if t.requires_grad)
     del model
-    if cuda and checkpoint is None:
+    if cuda and checkpoint is None and not args.streamed:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # the 16-bit model existed only to be quantised: not part of training
     trainer.train()
@@ -108,6 +120,7 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
         "trainable_gb": trainable_bytes / 1e9,
         "optimizer_state_gb": optimizer_bytes / 1e9,
         "steps_averaged": len(steps),
+        **build,
     }
     del trainer, base
     gc.collect()
@@ -131,12 +144,17 @@ def main() -> None:
     parser.add_argument("--in-memory", action="store_true",
                         help="build the 16-bit model on the device instead of writing a checkpoint (32B: the disk is "
                         "too small); peak memory is then counted from after quantisation")  # fmt: skip
+    parser.add_argument("--streamed", action="store_true",
+                        help="NVFP4 only: build the quantised model tensor by tensor (`build_nvfp4_streamed`), never "
+                        "holding the 16-bit model (72B); peak memory includes the build")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
     config = qwen25_config(args.model)
-    checkpoint = None if args.in_memory else Path(args.workdir or tempfile.mkdtemp(prefix="grpo-ckpt-"))
+    checkpoint = (
+        None if args.in_memory or args.streamed else Path(args.workdir or tempfile.mkdtemp(prefix="grpo-ckpt-"))
+    )
     if checkpoint is not None and not (checkpoint / "config.json").exists():
         write_checkpoint(config, checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = synthetic_tokenizer(config.vocab_size)

@@ -20,6 +20,7 @@ _QWEN25 = {
     "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064, False),
     "qwen2.5-14b": (5120, 13824, 48, 40, 8, 152064, False),
     "qwen2.5-32b": (5120, 27648, 64, 40, 8, 152064, False),
+    "qwen2.5-72b": (8192, 29568, 80, 64, 8, 152064, False),
     # a CPU-sized stand-in with the same structure, for smoke runs of the scripts
     "tiny": (256, 512, 2, 4, 2, 1024, False),
 }
@@ -102,6 +103,54 @@ def write_checkpoint(config, path: Path, device: str) -> int:
     )
     config.save_pretrained(path)
     return total
+
+
+def build_nvfp4_streamed(config, device, std: float = WEIGHT_STD):
+    """An NVFP4 model at ``config``'s shapes that never holds more than one shared-scale group of 16-bit weights.
+
+    The model is created on the meta device and its placeholders set up by the quantizer (`preprocess_model`);
+    then every tensor is drawn at random (per name, `random_tensor`; norms are ones) on ``device`` in checkpoint
+    order and handed to the quantizer's quantise-on-load conversion (`quantize_loaded_weight`: the per-tensor step
+    that ``from_pretrained(..., quantization_config=NVFP4A16Config())`` runs for each tensor of a sharded
+    checkpoint, holding q/k/v and gate/up until their shared global scale is known), and `postprocess_model` checks
+    the result. A 72B model in bf16 (~145 GB) fits neither the GPU nor the disk; this path needs its NVFP4 size
+    plus one 16-bit group. Returns the model (eval mode)."""
+    from torch import nn
+
+    from trl_qerl.quantizer import NVFP4A16Config, NVFP4A16HfQuantizer
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    quantizer = NVFP4A16HfQuantizer(NVFP4A16Config(), pre_quantized=False)
+    quantizer.preprocess_model(model)
+    packed_names = ("weight_packed", "weight_scale", "weight_global_scale")
+    with torch.no_grad():
+        for name, param in list(model.named_parameters(remove_duplicate=True)):
+            module_name, _, leaf = name.rpartition(".")
+            if leaf in packed_names:
+                continue  # written by the conversion of the layer's 16-bit weight
+            if quantizer.param_needs_quantization(model, name):
+                tensor = random_tensor(name, param.shape, device, std)
+                for key, value in quantizer.quantize_loaded_weight(model, name, tensor, None).items():
+                    owner, _, attribute = key.rpartition(".")
+                    setattr(model.get_submodule(owner), attribute, nn.Parameter(value, requires_grad=False))
+                del tensor
+                continue
+            if "norm" in name:
+                tensor = torch.ones(param.shape, dtype=torch.bfloat16, device=device)
+            else:
+                tensor = random_tensor(name, param.shape, device, std)
+            setattr(model.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=param.requires_grad))
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    for module_name, module in model.named_modules():  # non-persistent buffers (rotary inv_freq): rebuild them
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            if not module_name.endswith("rotary_emb"):
+                raise RuntimeError(f"{module_name} has buffers on the meta device that this builder cannot rebuild")
+            model.get_submodule(module_name.rpartition(".")[0]).rotary_emb = type(module)(config=config).to(device)
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    return model.eval()
 
 
 def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

@@ -239,3 +239,12 @@ def test_a_failing_compile_falls_back_to_eager_layers_with_one_warning(monkeypat
     assert ours.completion_ids == _greedy(model, "model").completion_ids
     warnings = [r for r in caplog.records if "running it eagerly" in r.message]
     assert len(warnings) == 1 and "inductor exploded" in warnings[0].message
+
+
+def test_switching_the_active_adapter_is_seen_by_the_next_rollout():
+    model = _model("qwen2", lora_targets="all-linear")
+    model.add_adapter("other", nvfp4_lora_config(r=4, train_norms=False))
+    generator = StaticCacheGenerator(model, cuda_graph=False, engine="fused")
+    first = generator.generate(PROMPTS, GREEDY, [1], 0)
+    model.set_adapter("other")  # lora_B of a fresh adapter is zero: the base model's tokens
+    assert generator.generate(PROMPTS, GREEDY, [1], 0) == _greedy(model, "model").completion_ids != first

@@ -28,7 +28,8 @@ def active_module(module: nn.Module) -> nn.Module:
     copies = getattr(module, "modules_to_save", None)
     if isinstance(copies, nn.ModuleDict) and not getattr(module, "disable_adapters", False):
         active = getattr(module, "active_adapter", None)
-        active = active[0] if isinstance(active, (list, tuple)) else active
+        if isinstance(active, (list, tuple)):  # empty when the active adapter trains no copy of this module
+            active = active[0] if active else None
         if active in copies:
             return copies[active]
     return getattr(module, "original_module", module)

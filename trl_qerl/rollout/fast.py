@@ -68,12 +68,14 @@ def _bucket(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
-def storage_fingerprint(model) -> tuple[int, ...]:
-    """Where every parameter and buffer of ``model`` lives (data pointers, in module order). A captured decode step
-    reads these addresses; an assignment such as ``param.data = ...`` or a device round trip moves one, and
-    replaying the old graph would then read freed memory."""
+def storage_fingerprint(model) -> tuple:
+    """Where every parameter and buffer of ``model`` lives (data pointers, in module order), and which adapters are
+    active. A captured decode step reads these addresses; an assignment such as ``param.data = ...`` or a device
+    round trip moves one, and replaying the old graph would then read freed memory (or, after ``set_adapter``, the
+    wrong adapter)."""
     tensors = [*model.parameters(), *model.buffers()]
-    return tuple(t.data_ptr() for t in tensors)
+    adapters = getattr(model, "active_adapters", None)
+    return (*(t.data_ptr() for t in tensors), tuple(adapters) if isinstance(adapters, (list, tuple)) else adapters)
 
 
 class _ModelForward:
