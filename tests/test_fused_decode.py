@@ -248,3 +248,21 @@ def test_switching_the_active_adapter_is_seen_by_the_next_rollout():
     first = generator.generate(PROMPTS, GREEDY, [1], 0)
     model.set_adapter("other")  # lora_B of a fresh adapter is zero: the base model's tokens
     assert generator.generate(PROMPTS, GREEDY, [1], 0) == _greedy(model, "model").completion_ids != first
+
+
+def test_trainer_config_chooses_the_engine(tmp_path):
+    from trl_qerl.config import QeRLConfig
+    from trl_qerl.rollout import make_rollout_backend
+
+    with pytest.raises(ValueError, match="fast_rollout_engine"):
+        QeRLConfig(output_dir=str(tmp_path), fast_rollout_engine="vllm", report_to="none")
+    args = QeRLConfig(output_dir=str(tmp_path), fast_rollout_engine="model", fast_rollout_compile=False,
+                      report_to="none", use_cpu=True)  # fmt: skip
+
+    class Trainer:  # what make_rollout_backend reads
+        pass
+
+    trainer = Trainer()
+    trainer.args = args
+    backend = make_rollout_backend("fast", trainer)
+    assert (backend.engine, backend.compile) == ("model", False)

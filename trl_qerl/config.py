@@ -103,6 +103,13 @@ class QeRLConfig(GRPOConfig):
         rollout_backend (`str`, *optional*, defaults to `"auto"`):
             Generation backend: `"auto"` (vLLM when `use_vllm=True`, else the fast CUDA-graph backend on CUDA, else
             transformers' `generate`), `"transformers"`, `"fast"` or `"vllm"` (same as `use_vllm=True`).
+        fast_rollout_engine (`str`, *optional*, defaults to `"auto"`):
+            Decode step of the fast backend: `"auto"` (the fused step over the model's tensors for Llama, Mistral,
+            Qwen2 and Qwen3, else the model's forward, logged), `"fused"` (an error for other models) or `"model"`
+            (the model's forward on a static KV cache).
+        fast_rollout_compile (`bool`, *optional*):
+            Compile the fused decode step's layer with `torch.compile` (default: on CUDA). Costs a few seconds once
+            per run; a compile failure falls back to eager layers with a warning.
         vllm_checkpoint_dir (`str`, *optional*):
             vLLM backend (colocate): the base checkpoint vLLM loads. A directory holding one (e.g. from `trl-qerl
             quantize`, the model you train) is used as is; an empty one receives the base exported from the training
@@ -254,6 +261,23 @@ class QeRLConfig(GRPOConfig):
         },
     )
 
+    fast_rollout_engine: str = field(
+        default="auto",
+        metadata={
+            "help": "Decode step of the fast backend: 'auto' (the fused step over the model's tensors for Llama, "
+            "Mistral, Qwen2 and Qwen3, else the model's forward, logged), 'fused' (an error for other models) or "
+            "'model' (the model's forward on a static KV cache).",
+            "choices": ["auto", "fused", "model"],
+        },
+    )
+    fast_rollout_compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Compile the fused decode step's layer with torch.compile (default: on CUDA). Costs a few seconds "
+            "once per run; a compile failure falls back to eager layers with a warning."
+        },
+    )
+
     vllm_checkpoint_dir: str | None = field(
         default=None,
         metadata={
@@ -328,6 +352,10 @@ class QeRLConfig(GRPOConfig):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}.")
         if self.rollout_backend not in ROLLOUT_BACKENDS:
             raise ValueError(f"rollout_backend must be one of {ROLLOUT_BACKENDS}, got {self.rollout_backend!r}.")
+        from .rollout.fast import ENGINES  # the generator's own list (imported late: rollout imports TRL's trainer)
+
+        if self.fast_rollout_engine not in ENGINES:
+            raise ValueError(f"fast_rollout_engine must be one of {ENGINES}, got {self.fast_rollout_engine!r}.")
         if self.use_vllm and self.rollout_backend not in ("auto", "vllm"):
             raise ValueError(f"use_vllm=True asks for vLLM rollouts but rollout_backend={self.rollout_backend!r}.")
         if self.rollout_backend == "vllm" or self.use_vllm:

@@ -30,7 +30,10 @@ def make_rollout_backend(name: str, trainer: GRPOTrainer) -> RolloutBackend:
     if name == "transformers":
         return TransformersRollout()
     if name == "fast":
-        return FastRollout()
+        args = trainer.args
+        return FastRollout(
+            engine=getattr(args, "fast_rollout_engine", "auto"), compile=getattr(args, "fast_rollout_compile", None)
+        )
     if name == "vllm":
         from .vllm import make_vllm_rollout
 

@@ -363,15 +363,15 @@ class FastRollout:
 
     name = "fast"
 
-    def __init__(self, cuda_graph: bool | None = None) -> None:
-        self.cuda_graph = cuda_graph
+    def __init__(self, cuda_graph: bool | None = None, engine: str = "auto", compile: bool | None = None) -> None:
+        self.cuda_graph, self.engine, self.compile = cuda_graph, engine, compile
         self.generator = None
         self.fallback = TransformersRollout()
         self.disabled_reason: str | None = None
         self.sampling_entropy: float | None = None
 
     def generate(self, trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        reason = self.disabled_reason or _unsupported(trainer, images)
+        reason = self.disabled_reason or _unsupported(trainer, images, self.engine)
         if reason:
             if reason != self.disabled_reason:
                 logger.warning("fast rollouts unavailable (%s); using transformers generate", reason)
@@ -381,7 +381,9 @@ class FastRollout:
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         try:
             if self.generator is None or self.generator.model is not model:
-                self.generator = StaticCacheGenerator(model, cuda_graph=self.cuda_graph)
+                self.generator = StaticCacheGenerator(
+                    model, cuda_graph=self.cuda_graph, engine=self.engine, compile=self.compile
+                )
             samples = self.generator.sample(prompt_ids, params, trainer.eos_token_ids, trainer._tokenizer.pad_token_id)
         except Exception as error:  # noqa: BLE001 - capture problems must not stop training
             self.disabled_reason = f"{type(error).__name__}: {error}"
@@ -400,7 +402,7 @@ class FastRollout:
         return completions, logprobs
 
 
-def _unsupported(trainer, images) -> str | None:
+def _unsupported(trainer, images, engine: str = "auto") -> str | None:
     args = trainer.args
     if images is not None and any(image is not None for image in images):
         return "multimodal prompts"
@@ -411,7 +413,7 @@ def _unsupported(trainer, images) -> str | None:
     if getattr(trainer, "tools", None):
         return "tool calling"
     attention = getattr(trainer.model.config, "_attn_implementation", None) or "sdpa"
-    if attention not in SUPPORTED_ATTENTION and not _fused_step_applies(trainer.model):
+    if attention not in SUPPORTED_ATTENTION and (engine == "model" or not _fused_step_applies(trainer.model)):
         return f"attn_implementation={attention!r} (the static-cache step supports {list(SUPPORTED_ATTENTION)})"
     return None
 
