@@ -48,10 +48,14 @@ def rms_norm(x: torch.Tensor, norm: NormSpec) -> torch.Tensor:
     return (norm.weight * normed.to(dtype)).to(dtype)
 
 
+LORA_REDUCTION_ROWS = 64
+"""Up to this many rows, a compiled step writes LoRA products as multiply-and-sum reductions (see below)."""
+
+
 def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list[torch.Tensor]]:
     """``x @ A.T`` for every LoRA term of ``projections`` (per projection, per term), in the adapters' dtype. Terms
-    that share a dtype and rank are computed as one product over their concatenated A matrices: concatenating a
-    few rank-r matrices costs less than the launches it saves at decode sizes."""
+    of one dtype are computed as one product over their concatenated A matrices: concatenating a few rank-r
+    matrices costs less than the launches it saves at decode sizes."""
     terms = [(i, j, term) for i, p in enumerate(projections) for j, term in enumerate(p.lora)]
     out: list[list[torch.Tensor]] = [[None] * len(p.lora) for p in projections]  # type: ignore[list-item]
     if not terms:
@@ -89,10 +93,6 @@ def project(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Te
             update = sum(F.linear(h, term.lora_b) * term.scaling for term, h in zip(projection.lora, hidden))
             outputs[index] = (outputs[index] + update).to(x.dtype)
     return outputs
-
-
-LORA_REDUCTION_ROWS = 64
-"""Up to this many rows, a compiled step writes LoRA products as multiply-and-sum reductions (see below)."""
 
 
 def _add_lora_as_reductions(x, projections, outputs):
