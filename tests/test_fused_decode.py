@@ -143,11 +143,11 @@ def test_dora_is_refused_by_the_fused_step():
     assert StaticCacheGenerator(model, cuda_graph=False).engine == "model"
 
 
-def test_sliding_window_shorter_than_the_cache_is_refused():
+def test_sliding_window_shorter_than_the_cache_is_refused_with_the_fix():
     model = MistralForCausalLM(MistralConfig(**{**TINY, "sliding_window": 16})).eval()
-    generator = StaticCacheGenerator(model, cuda_graph=False, engine="fused", length_bucket=64)
-    with pytest.raises(ValueError, match="sliding window"):
-        generator.generate(PROMPTS, GREEDY, [1], 0)
+    generator = StaticCacheGenerator(model, cuda_graph=False, length_bucket=64)
+    with pytest.raises(ValueError, match="exceeds the model's sliding window 16.*rollout_backend='transformers'"):
+        generator.generate(PROMPTS, GREEDY, [1], 0)  # FastRollout logs this and falls back to generate
 
 
 # -- on the GPU: CUDA graphs, torch.compile, 7B widths -----------------------------------------------------------

@@ -230,16 +230,21 @@ class StaticCacheGenerator:
                 if engine == "fused":
                     raise
                 logger.info("fused decode step unavailable (%s); decoding through the model's forward", reason)
+        self._check_model_forward_attention()
+        return "model"
+
+    def _check_model_forward_attention(self) -> None:
         implementation = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
         if implementation not in SUPPORTED_ATTENTION:
             raise ValueError(
                 f"StaticCacheGenerator decodes this model through its forward, which needs 'sdpa' or 'eager' "
                 f"attention; the model uses {implementation!r}."
             )
-        return "model"
 
     def _backend(self, batch: int, cache_len: int, device):
         if self.engine == "fused":
+            # (a sliding window shorter than the cache is refused there, with the reason: the static-cache forward
+            # cannot take it either, its sliding layers keep a cache of the window's length)
             return FusedDecoder(read_decoder(self.model), batch, cache_len, device, compile=self.compile)
         implementation = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
         mask_dtype = torch.bool if implementation == "sdpa" else self.model.dtype

@@ -194,8 +194,9 @@ class FusedDecoder:
     def __init__(self, spec: DecoderSpec, batch: int, cache_len: int, device, compile: bool = False) -> None:
         if spec.sliding_window is not None and cache_len > spec.sliding_window:
             raise ValueError(
-                f"cache length {cache_len} exceeds the model's sliding window {spec.sliding_window}; the fused step "
-                "attends to the whole cache."
+                f"cache length {cache_len} (prompt + max_new_tokens, rounded up) exceeds the model's sliding window "
+                f"{spec.sliding_window}; the fused decode step attends to the whole cache. Shorten the rollouts or "
+                "use rollout_backend='transformers' or 'vllm'."
             )
         self.spec, self.cache_len = spec, cache_len
         shape = (batch, spec.num_kv_heads, cache_len, spec.head_dim)
