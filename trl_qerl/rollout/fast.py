@@ -233,8 +233,11 @@ class StaticCacheGenerator:
         self._check_model_forward_attention()
         return "model"
 
+    def _attention_implementation(self) -> str:
+        return getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+
     def _check_model_forward_attention(self) -> None:
-        implementation = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+        implementation = self._attention_implementation()
         if implementation not in SUPPORTED_ATTENTION:
             raise ValueError(
                 f"StaticCacheGenerator decodes this model through its forward, which needs 'sdpa' or 'eager' "
@@ -246,8 +249,7 @@ class StaticCacheGenerator:
             # (a sliding window shorter than the cache is refused there, with the reason: the static-cache forward
             # cannot take it either, its sliding layers keep a cache of the window's length)
             return FusedDecoder(read_decoder(self.model), batch, cache_len, device, compile=self.compile)
-        implementation = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
-        mask_dtype = torch.bool if implementation == "sdpa" else self.model.dtype
+        mask_dtype = torch.bool if self._attention_implementation() == "sdpa" else self.model.dtype
         return _ModelForward(self.model, batch, cache_len, mask_dtype)
 
     def generate(
