@@ -117,23 +117,21 @@ def build_nvfp4_streamed(config, device, std: float = WEIGHT_STD):
     plus one 16-bit group. Returns the model (eval mode)."""
     from torch import nn
 
-    from trl_qerl.quantizer import NVFP4A16Config, NVFP4A16HfQuantizer
+    from trl_qerl.nvfp4.linear import QUANTIZED_TENSOR_NAMES
+    from trl_qerl.quantizer import NVFP4A16Config, NVFP4A16HfQuantizer, assign_quantized_tensors
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     quantizer = NVFP4A16HfQuantizer(NVFP4A16Config(), pre_quantized=False)
     quantizer.preprocess_model(model)
-    packed_names = ("weight_packed", "weight_scale", "weight_global_scale")
     with torch.no_grad():
         for name, param in list(model.named_parameters(remove_duplicate=True)):
             module_name, _, leaf = name.rpartition(".")
-            if leaf in packed_names:
+            if leaf in QUANTIZED_TENSOR_NAMES:
                 continue  # written by the conversion of the layer's 16-bit weight
             if quantizer.param_needs_quantization(model, name):
                 tensor = random_tensor(name, param.shape, device, std)
-                for key, value in quantizer.quantize_loaded_weight(model, name, tensor, None).items():
-                    owner, _, attribute = key.rpartition(".")
-                    setattr(model.get_submodule(owner), attribute, nn.Parameter(value, requires_grad=False))
+                assign_quantized_tensors(model, quantizer.quantize_loaded_weight(model, name, tensor, None))
                 del tensor
                 continue
             if "norm" in name:

@@ -310,12 +310,18 @@ def quantize_model(model, config: NVFP4A16Config | None = None):
             if linear.bias is not None:
                 model.get_submodule(name).bias = linear.bias
             tensors = quantizer.quantize_loaded_weight(model, f"{name}.weight", linear.weight.detach(), None)
-            for key, tensor in tensors.items():  # what transformers' loader does with a conversion's output
-                module_name, _, leaf = key.rpartition(".")
-                setattr(model.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
+            assign_quantized_tensors(model, tensors)
     model.hf_quantizer = quantizer  # set by from_pretrained itself, outside the quantizer's hooks
     quantizer.postprocess_model(model)
     return model
+
+
+def assign_quantized_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Set the output of `NVFP4A16HfQuantizer.quantize_loaded_weight` (tensors by full name) on ``model`` as frozen
+    parameters: what transformers' loader does with a conversion's output."""
+    for key, tensor in tensors.items():
+        module_name, _, leaf = key.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
 
 
 def register() -> None:
@@ -337,6 +343,7 @@ __getattr__ = deprecated_names(
 
 __all__ = [
     "COMPRESSED_TENSORS_FORMAT",
+    "assign_quantized_tensors",
     "DEFAULT_SHARED_SCALE_GROUPS",
     "NVFP4A16Config",
     "NVFP4A16HfQuantizer",

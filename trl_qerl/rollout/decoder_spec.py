@@ -205,8 +205,8 @@ def _lora_terms(layer: nn.Module, where: str) -> tuple[LoraTerm, ...]:
     for adapter in layer.active_adapters:
         if adapter not in layer.lora_A:
             continue
-        for option, table in (("use_dora", "use_dora"), ("lora_bias", "lora_bias")):
-            if getattr(layer, table, {}).get(adapter, False):
+        for option in ("use_dora", "lora_bias"):
+            if getattr(layer, option, {}).get(adapter, False):
                 raise UnsupportedDecoder(f"{where} uses {option} (the fused step adds plain LoRA terms)")
         if adapter in getattr(layer, "lora_variant", {}):
             raise UnsupportedDecoder(f"{where} uses the LoRA variant {type(layer.lora_variant[adapter]).__name__}")
