@@ -3,8 +3,10 @@
 Random weights at real Qwen2.5 shapes (written once as a bf16 checkpoint), a synthetic word-level tokenizer with
 the model's vocabulary, prompts of exactly ``--prompt-tokens`` tokens, and a reward that varies per completion
 (so the step does real gradient work). Each mode trains ``--steps`` optimizer steps with `QeRLGRPOTrainer`; the
-first is warm-up, the rest are averaged: step time split into rollout / reward / log-prob / forward+backward,
-rollout tokens/s, and peak allocated device memory.
+first is warm-up, the rest are averaged (each measured step is kept in the JSON too, with its mean completion
+length: a step whose padded length differs from the warm-up's may pay one-off kernel builds): step time split into
+rollout / reward / log-prob / forward+backward, rollout tokens/s, and peak allocated device memory. ``--batch``
+takes several sizes (the paper's Table 3: 2 4 8); each mode and batch trains its own trainer in the same process.
 
 Usage:
     python scripts/bench_grpo_step.py --model qwen2.5-7b --modes nvfp4 bf16 --batch 8 --prompt-tokens 256 \
@@ -43,7 +45,7 @@ def prompts(batch: int, tokens: int, vocab: int, seed: int = 0) -> Dataset:
     return Dataset.from_dict({"prompt": rows})
 
 
-def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
+def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.empty_cache()
@@ -68,8 +70,8 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
         output_dir=tempfile.mkdtemp(prefix=f"grpo-{mode}-"),
         quantization=mode,
         max_steps=args.steps,
-        per_device_train_batch_size=args.batch,
-        num_generations=args.num_generations or args.batch,
+        per_device_train_batch_size=batch,
+        num_generations=args.num_generations or batch,
         max_completion_length=args.completion_tokens,
         learning_rate=1e-5,
         bf16=cuda,
@@ -86,7 +88,7 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
         model,
         reward_funcs=varied_reward,
         args=config,
-        train_dataset=prompts(args.batch, args.prompt_tokens, tokenizer.vocab_size),
+        train_dataset=prompts(batch, args.prompt_tokens, tokenizer.vocab_size),
         processing_class=tokenizer,
         peft_config=None if mode == "none" else nvfp4_lora_config(r=args.lora_r),
     )
@@ -108,6 +110,7 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
     mean = lambda key: statistics.mean(e[key] for e in steps)  # noqa: E731
     result = {
         "mode": mode,
+        "batch": batch,
         "step_s": mean("time/step_s"),
         "rollout_s": mean("time/rollout_s"),
         "reward_s": mean("time/reward_s"),
@@ -120,6 +123,8 @@ def run_mode(mode: str, checkpoint: Path | None, tokenizer, args) -> dict:
         "trainable_gb": trainable_bytes / 1e9,
         "optimizer_state_gb": optimizer_bytes / 1e9,
         "steps_averaged": len(steps),
+        "step_s_each": [e["time/step_s"] for e in steps],
+        "completion_length_each": [e["completions/mean_length"] for e in steps],
         **build,
     }
     del trainer, base
@@ -133,7 +138,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b", choices=NAMES)
     parser.add_argument("--modes", nargs="+", default=["nvfp4", "bf16"])
-    parser.add_argument("--batch", type=int, default=8, help="completions per step (per_device_train_batch_size)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="completions per step (per_device_train_batch_size); several sizes run one after another",
+    )
     parser.add_argument("--num-generations", type=int, default=None, help="completions per prompt (default: batch)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--completion-tokens", type=int, default=256)
@@ -158,23 +169,31 @@ def main() -> None:
     if checkpoint is not None and not (checkpoint / "config.json").exists():
         write_checkpoint(config, checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = synthetic_tokenizer(config.vocab_size)
-    results = [run_mode(mode, checkpoint, tokenizer, args) for mode in args.modes]
+    results = []
+    for batch in args.batch:
+        for mode in args.modes:
+            results.append(run_mode(mode, batch, checkpoint, tokenizer, args))
+            print(json.dumps(results[-1]), flush=True)  # a later failure must not lose this row
 
-    print(f"\nOne GRPO step, {args.model} shapes, {args.batch} completions x ({args.prompt_tokens} prompt + "
+    print(f"\nOne GRPO step, {args.model} shapes, completions x ({args.prompt_tokens} prompt + "
           f"{args.completion_tokens} completion tokens), LoRA r{args.lora_r}, gradient checkpointing, rollouts: "
           f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step")  # fmt: skip
-    print("| mode | step s | rollout s | reward s | log-prob s | fwd+bwd s | rollout tok/s | peak GB | frozen weights GB "
-          "| trainable GB | optimizer GB |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch | mode | step s | each step s | rollout s | reward s | log-prob s | fwd+bwd s | rollout tok/s | peak GB "
+          "| frozen weights GB | trainable GB | optimizer GB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['mode']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['reward_s']:.3f} | {r['logprob_s']:.2f} | "
-              f"{r['forward_backward_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | {r['peak_allocated_gb']:.1f} | "
-              f"{r['frozen_weight_gb']:.2f} | {r['trainable_gb']:.3f} | {r['optimizer_state_gb']:.3f} |")  # fmt: skip
-    if len(results) > 1:
-        base = results[-1]
-        for r in results[:-1]:
-            print(f"{r['mode']} vs {base['mode']}: step {base['step_s'] / r['step_s']:.2f}x faster, rollout "
-                  f"{base['rollout_s'] / r['rollout_s']:.2f}x, peak memory {r['peak_allocated_gb'] / base['peak_allocated_gb']:.2f}x")  # fmt: skip
+        each = " / ".join(f"{s:.2f}" for s in r["step_s_each"])
+        print(f"| {r['batch']} | {r['mode']} | {r['step_s']:.2f} | {each} | {r['rollout_s']:.2f} | {r['reward_s']:.3f} | "
+              f"{r['logprob_s']:.2f} | {r['forward_backward_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | "
+              f"{r['peak_allocated_gb']:.1f} | {r['frozen_weight_gb']:.2f} | {r['trainable_gb']:.3f} | "
+              f"{r['optimizer_state_gb']:.3f} |")  # fmt: skip
+    for batch in args.batch:
+        rows = [r for r in results if r["batch"] == batch]
+        for r in rows[:-1]:
+            base = rows[-1]
+            print(f"batch {batch}: {r['mode']} vs {base['mode']}: step {base['step_s'] / r['step_s']:.2f}x faster, "
+                  f"rollout {base['rollout_s'] / r['rollout_s']:.2f}x, "
+                  f"peak memory {r['peak_allocated_gb'] / base['peak_allocated_gb']:.2f}x")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

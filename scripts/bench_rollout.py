@@ -3,8 +3,8 @@ backend (bf16 + LoRA, and NVFP4 + LoRA + AQN) with each decode engine, all in on
 
 Engines of our backend (`StaticCacheGenerator(engine=..., compile=...)`): ``model`` calls the model's forward on a
 transformers StaticCache; ``fused`` runs `FusedDecoder` eagerly; ``fused+compile`` compiles its layers. Each is
-captured as a CUDA graph. ``--profile`` adds, per engine, the kernels of one (uncaptured) decode step at batch 1
-by name and category: the same kernels the graph replays.
+captured as a CUDA graph. ``--profile`` adds, per engine, the kernels of one (uncaptured) decode step at each of
+``--profile-batches`` by name and category: the same kernels the graph replays.
 
 Random weights at real Qwen2.5 shapes are built directly on the GPU (no checkpoint). Prompts of exactly
 ``--prompt-tokens`` random tokens, sampling at temperature 1 (random weights practically never emit EOS, so every
@@ -71,7 +71,7 @@ def category(kernel: str) -> str:
         return "elementwise / norms / glue"
     if "nvfp4" in name:
         return "NVFP4 matmul"
-    if "splitk" in name:
+    if "splitk_reduce" in name:  # our Triton split-K epilogue (cuBLAS's is `splitKreduce_kernel`)
         return "NVFP4 split-K reduce"
     if any(key in name for key in ("fmha", "attention", "flash", "attn")):
         return "attention"
@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--skip-bf16", action="store_true", help="measure only the NVFP4 model")
     parser.add_argument("--profile", action="store_true", help="kernel profile of one decode step per engine")
+    parser.add_argument("--profile-batches", nargs="+", type=int, default=[1], help="batches that --profile profiles")
     parser.add_argument("--json", default=None)
     parser.add_argument("--choices", default=None, help="save the kernel choices made during the run")
     args = parser.parse_args()
@@ -176,9 +177,9 @@ def main() -> None:
                 for batch in args.batches:
                     measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens, args.new_tokens,
                             vocab), batch, args.new_tokens, rows)  # fmt: skip
-                if args.profile:
-                    ours(generator, 1, args.prompt_tokens, 8, vocab)()
-                    profile_step(generator, f"{engine}, {label}, batch 1", rows)
+                for batch in args.profile_batches if args.profile else ():
+                    ours(generator, batch, args.prompt_tokens, 8, vocab)()
+                    profile_step(generator, f"{engine}, {label}, batch {batch}", rows)
             print(f"graph captures ({engine}): {generator.captures}", flush=True)
             del generator
             torch.cuda.empty_cache()
