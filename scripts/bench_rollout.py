@@ -2,7 +2,8 @@
 backend (bf16 + LoRA, and NVFP4 + LoRA + AQN) with each decode engine, all in one run on one GPU.
 
 Engines of our backend (`StaticCacheGenerator(engine=..., compile=...)`): ``model`` calls the model's forward on a
-transformers StaticCache; ``fused`` runs `FusedDecoder` eagerly; ``fused+compile`` compiles its layers. Each is
+transformers StaticCache; ``fused`` runs `FusedDecoder` eagerly; ``fused+compile`` compiles its layers;
+``fused+compile+split_kv`` also takes the split-KV decode attention kernel instead of SDPA. Each is
 captured as a CUDA graph. ``--profile`` adds, per engine, the kernels of one (uncaptured) decode step at each of
 ``--profile-batches`` by name and category: the same kernels the graph replays.
 
@@ -61,7 +62,8 @@ def ours(generator, batch, prompt_tokens, new_tokens, vocab):
 
 
 ENGINES = {"model": dict(engine="model", compile=False), "fused": dict(engine="fused", compile=False),
-           "fused+compile": dict(engine="fused", compile=True)}  # fmt: skip
+           "fused+compile": dict(engine="fused", compile=True),
+           "fused+compile+split_kv": dict(engine="fused", compile=True, decode_attention="split_kv")}  # fmt: skip
 
 
 def category(kernel: str) -> str:

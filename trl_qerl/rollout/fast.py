@@ -40,7 +40,7 @@ import torch
 from transformers import StaticCache
 
 from .decoder_spec import UnsupportedDecoder, read_decoder
-from .fused_decode import FusedDecoder
+from .fused_decode import DECODE_ATTENTION, FusedDecoder
 from .generate import TransformersRollout, sampling_params
 from .sampling import SamplingParams, filter_logits, sample_tokens, sample_with_stats
 
@@ -197,6 +197,8 @@ class StaticCacheGenerator:
             `StaticCache` ("sdpa" or "eager" attention); ``"auto"`` (default) takes "fused" where it applies and
             logs why not otherwise.
         compile: run the fused step's layers through ``torch.compile`` (default: on CUDA).
+        decode_attention: the fused step's decode attention, ``"sdpa"`` (default) or ``"split_kv"`` (a Triton
+            kernel that reads the cache only up to the current position; see `FusedDecoder`).
     """
 
     def __init__(
@@ -208,9 +210,13 @@ class StaticCacheGenerator:
         check_every: int = 16,
         engine: str = "auto",
         compile: bool | None = None,
+        decode_attention: str = "sdpa",
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"Unknown engine={engine!r}; use one of {ENGINES}.")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"Unknown decode_attention={decode_attention!r}; use one of {DECODE_ATTENTION}.")
+        self.decode_attention = decode_attention
         self.model = model
         device = next(model.parameters()).device
         self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -248,7 +254,8 @@ class StaticCacheGenerator:
         if self.engine == "fused":
             # (a sliding window shorter than the cache is refused there, with the reason: the static-cache forward
             # cannot take it either, its sliding layers keep a cache of the window's length)
-            return FusedDecoder(read_decoder(self.model), batch, cache_len, device, compile=self.compile)
+            return FusedDecoder(read_decoder(self.model), batch, cache_len, device, compile=self.compile,
+                                decode_attention=self.decode_attention)  # fmt: skip
         mask_dtype = torch.bool if self._attention_implementation() == "sdpa" else self.model.dtype
         return _ModelForward(self.model, batch, cache_len, mask_dtype)
 

@@ -24,16 +24,18 @@ Dropout is not applied: rollouts run with the model in eval mode, where PEFT's L
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..nvfp4.dispatch import kernels_for
+from .decode_attention import split_kv_applies, split_kv_attention
 from .decoder_spec import DecoderSpec, LayerSpec, NormSpec, Projection
 
 
-__all__ = ["FusedDecoder", "apply_rotary", "attention", "lora_shrink", "project", "rms_norm"]
+__all__ = ["DECODE_ATTENTION", "FusedDecoder", "apply_rotary", "attention", "lora_shrink", "project", "rms_norm"]
 
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,9 @@ def rms_norm(x: torch.Tensor, norm: NormSpec) -> torch.Tensor:
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
     return (norm.weight * normed.to(dtype)).to(dtype)
 
+
+DECODE_ATTENTION = ("sdpa", "split_kv")
+"""Decode attention kernels `FusedDecoder` can use (its ``decode_attention`` argument)."""
 
 LORA_REDUCTION_ROWS = 64
 """Up to this many rows, a compiled step writes LoRA products as multiply-and-sum reductions (see below)."""
@@ -128,13 +133,19 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float):
+def attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
+    cache_position: torch.Tensor | None = None, split_kv: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Grouped-query attention of ``q[B, H, T, D]`` over the cache ``[B, KVH, L, D]`` with an additive mask
     ``[B, 1, T, L]``. One decode token folds a key/value head's query heads into the query length, so the keys
-    are read once per group and not repeated."""
+    are read once per group and not repeated; with ``split_kv`` it runs `decode_attention.split_kv_attention`
+    instead, which reads the cache only up to ``cache_position`` (callers check `split_kv_applies`)."""
     batch, heads, tokens, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
+    if tokens == 1 and split_kv:
+        return split_kv_attention(q, keys, values, mask, scaling, cache_position)
     if tokens == 1:
         out = F.scaled_dot_product_attention(
             q.reshape(batch, kv_heads, group, head_dim), keys, values, attn_mask=mask, scale=scaling
@@ -155,8 +166,10 @@ def decoder_layer(
     cache_v: torch.Tensor,
     cache_position: torch.Tensor,
     mask: torch.Tensor,
+    split_kv: bool = False,
 ) -> torch.Tensor:
-    """One decoder layer on ``x[B, T, C]``; writes this layer's keys/values at ``cache_position`` in place."""
+    """One decoder layer on ``x[B, T, C]``; writes this layer's keys/values at ``cache_position`` in place.
+    ``split_kv``: decode attention through `decode_attention.split_kv_attention` (one token per row)."""
     batch, tokens, width = x.shape
     h = rms_norm(x, layer.input_norm).reshape(batch * tokens, width)
     q, k, v = project(h, layer.qkv)
@@ -167,7 +180,7 @@ def decoder_layer(
     q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     cache_k.index_copy_(2, cache_position, k)
     cache_v.index_copy_(2, cache_position, v.view(batch, tokens, -1, spec.head_dim).transpose(1, 2))
-    attended = attention(q, cache_k, cache_v, mask, spec.scaling)
+    attended = attention(q, cache_k, cache_v, mask, spec.scaling, cache_position, split_kv)
     attended = attended.transpose(1, 2).reshape(batch * tokens, -1)
     x = x + project(attended, (layer.o,))[0].view(batch, tokens, width)
     h = rms_norm(x, layer.post_attention_norm).reshape(batch * tokens, width)
@@ -187,6 +200,22 @@ def _compiled_layer():
     return torch.compile(decoder_layer, fullgraph=True, options=dict(COMPILE_OPTIONS))
 
 
+def _split_kv_runs(spec: DecoderSpec, batch: int, device: torch.device) -> bool:
+    """Whether the split-KV kernel serves this decoder's decode steps; if not, one log line (SDPA then runs)."""
+    probe = torch.empty(batch, spec.num_heads, 1, spec.head_dim, dtype=spec.dtype, device="meta")
+    keys = torch.empty(batch, spec.num_kv_heads, 1, spec.head_dim, dtype=spec.dtype, device="meta")
+    mask = torch.empty(batch, 1, 1, 1, dtype=spec.dtype, device="meta")
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not split_kv_applies(probe, keys, mask):
+        reason = f"head_dim {spec.head_dim} / dtype {spec.dtype} is outside what it handles"
+    elif device.type != "cuda" and not interpreted:
+        reason = f"it needs CUDA (or Triton's interpreter), the cache is on {device.type}"
+    else:
+        return True
+    logger.warning("decode_attention='split_kv' cannot run here (%s); decode attention uses SDPA.", reason)
+    return False
+
+
 class FusedDecoder:
     """Prefill and decode over a `DecoderSpec` with its own static KV cache.
 
@@ -195,9 +224,18 @@ class FusedDecoder:
         batch / cache_len: cache shape; ``cache_len`` must not exceed the model's sliding window.
         device: where the cache lives.
         compile: run each decode layer through ``torch.compile`` (one graph for all layers; prefill stays eager).
+        decode_attention: ``"sdpa"`` (`F.scaled_dot_product_attention` over the whole cache) or ``"split_kv"``
+            (`decode_attention.split_kv_attention`: a Triton kernel split over the cache length that reads only
+            the filled positions; CUDA, or Triton's interpreter on CPU). Where ``"split_kv"`` cannot run, one log
+            line and SDPA.
     """
 
-    def __init__(self, spec: DecoderSpec, batch: int, cache_len: int, device, compile: bool = False) -> None:
+    def __init__(
+        self, spec: DecoderSpec, batch: int, cache_len: int, device, compile: bool = False,
+        decode_attention: str = "sdpa",
+    ) -> None:  # fmt: skip
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"Unknown decode_attention={decode_attention!r}; use one of {DECODE_ATTENTION}.")
         if spec.sliding_window is not None and cache_len > spec.sliding_window:
             raise ValueError(
                 f"cache length {cache_len} (prompt + max_new_tokens, rounded up) exceeds the model's sliding window "
@@ -209,6 +247,7 @@ class FusedDecoder:
         self.keys = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in spec.layers]
         self.values = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in spec.layers]
         self.mask_dtype = spec.dtype
+        self.split_kv = decode_attention == "split_kv" and _split_kv_runs(spec, batch, torch.device(device))
         self._decode_layer = _compiled_layer() if compile else decoder_layer
 
     def reset(self) -> None:
@@ -225,7 +264,7 @@ class FusedDecoder:
         """Logits ``[B, V]`` for one new token per row (``tokens[B]`` at ``positions[B]``); capturable.
 
         If compiling fails (the first call compiles, outside any graph capture), one warning, then eager layers."""
-        args = (tokens[:, None], mask, positions[:, None], cache_position)
+        args = (tokens[:, None], mask, positions[:, None], cache_position, self.split_kv)
         if self._decode_layer is not decoder_layer:
             try:
                 return self._forward(self._decode_layer, *args)
@@ -236,11 +275,11 @@ class FusedDecoder:
                 self._decode_layer = decoder_layer
         return self._forward(decoder_layer, *args)
 
-    def _forward(self, layer_fn, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
+    def _forward(self, layer_fn, input_ids, mask, position_ids, cache_position, split_kv=False) -> torch.Tensor:
         spec = self.spec
         x = F.embedding(input_ids, spec.embed)
         cos, sin = spec.rotary(x, position_ids)
         for layer, cache_k, cache_v in zip(spec.layers, self.keys, self.values):
-            x = layer_fn(spec, layer, x, cos, sin, cache_k, cache_v, cache_position, mask)
+            x = layer_fn(spec, layer, x, cos, sin, cache_k, cache_v, cache_position, mask, split_kv)
         last = rms_norm(x[:, -1], spec.final_norm)
         return project(last, (spec.lm_head,))[0]

@@ -1,0 +1,150 @@
+"""The split-KV decode attention kernel against SDPA (float64), on CPU in Triton's interpreter and on CUDA."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tiny import tiny_model
+
+from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+from trl_qerl.quantizer import quantize_model
+from trl_qerl.rollout.decode_attention import (
+    combine_partials,
+    launch_partials,
+    partials_reference,
+    split_kv_attention,
+    split_kv_partials,
+)
+from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOLERANCE = {torch.float32: 1e-3 if CUDA else 1e-5, torch.bfloat16: 1e-2}  # tf32 dots on CUDA; METHOD.md bands
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
+
+
+def _inputs(batch, heads, kv_heads, cache_len, head_dim, position, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch, kv_heads, cache_len, head_dim)
+    q = torch.randn(batch, heads, 1, head_dim, generator=generator).to(DEVICE, dtype)
+    keys, values = (torch.randn(shape, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    hidden = torch.finfo(dtype).min
+    mask = torch.zeros(batch, 1, 1, cache_len, dtype=dtype, device=DEVICE)
+    mask[..., position + 1 :] = hidden  # not written yet, as the decode state masks it
+    mask[-1, ..., :3] = hidden  # left padding of the last row
+    return q, keys, values, mask, torch.tensor([position], device=DEVICE)
+
+
+def _sdpa64(q, keys, values, mask, scaling):
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (t.double().repeat_interleave(group, dim=1) for t in (keys, values))
+    return F.scaled_dot_product_attention(q.double(), keys, values, attn_mask=mask.double(), scale=scaling)
+
+
+def _relative_error(ours, reference):
+    return ((ours.double() - reference).norm() / reference.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 6, 2, 100, 16), (2, 7, 1, 70, 32)], ids=["group3", "group7"])
+def test_split_kv_attention_matches_sdpa(dtype, shape):
+    batch, heads, kv_heads, cache_len, head_dim = shape
+    q, keys, values, mask, position = _inputs(*shape, position=cache_len - 29, dtype=dtype)
+    ours = split_kv_attention(q, keys, values, mask, 0.3, position)
+    assert ours.shape == q.shape and ours.dtype == dtype
+    assert _relative_error(ours, _sdpa64(q, keys, values, mask, 0.3)) < TOLERANCE[dtype]
+
+
+def test_chunks_past_the_position_are_never_read_and_weigh_nothing():
+    """Five chunks, the position in the third: the last two read nothing (NaN there changes nothing), every output
+    element is written, and the partials equal the torch reference chunk by chunk."""
+    q, keys, values, mask, position = _inputs(1, 4, 1, 300, 16, position=150, dtype=torch.float32, seed=2)
+    clean = _sdpa64(q, keys, values, mask, 0.25)
+    expected = partials_reference(q.cpu(), keys.cpu(), values.cpu(), mask.cpu(), 0.25, position.cpu(), chunk=64)
+    keys[:, :, 151:], values[:, :, 151:] = float("nan"), float("nan")  # what an unwritten cache may hold
+    acc = torch.full((1, 5, 4, 16), float("nan"), device=DEVICE)
+    maxima, sums = (
+        torch.full((1, 5, 4), float("nan"), device=DEVICE),
+        torch.full((1, 5, 4), float("nan"), device=DEVICE),
+    )
+    launch_partials(q, keys, values, mask, 0.25, position, acc, maxima, sums)
+    assert not any(t.isnan().any() for t in (acc, maxima, sums))
+    assert (sums[:, 3:] == 0).all() and (acc[:, 3:] == 0).all() and (maxima[:, 3:] == -1e30).all()
+    for ours, theirs in zip((acc, maxima, sums), expected):
+        assert torch.allclose(ours.cpu(), theirs, rtol=1e-3, atol=1e-4)
+    assert _relative_error(combine_partials(acc, maxima, sums).reshape(q.shape), clean) < TOLERANCE[torch.float32]
+
+
+def test_the_op_compiles_into_a_graph():
+    """`split_kv_partials` is an opaque op with a fake implementation: a compiled function calls it as it is."""
+    q, keys, values, mask, position = _inputs(2, 4, 2, 64, 16, position=40, dtype=torch.float32, seed=3)
+    shapes = [t.shape for t in split_kv_partials(q, keys, values, mask, 0.25, position)]
+    compiled = torch.compile(split_kv_attention, fullgraph=True)
+    assert (
+        _relative_error(compiled(q, keys, values, mask, 0.25, position), _sdpa64(q, keys, values, mask, 0.25)) < 1e-3
+    )
+    assert shapes[0][:3] == shapes[1] == shapes[2] and shapes[0][0] == 4
+
+
+def _tiny_lora_model(dtype):
+    model = get_peft_model(quantize_model(tiny_model("qwen2", dtype=dtype)), nvfp4_lora_config(r=4))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return model.to(DEVICE).eval()
+
+
+@pytest.mark.skipif(CUDA, reason="the eager CPU step; CUDA runs the compiled, captured step below")
+def test_fused_decoder_with_split_kv_decodes_as_with_sdpa(monkeypatch):
+    from trl_qerl.rollout import fused_decode
+
+    calls = []
+    monkeypatch.setattr(fused_decode, "split_kv_attention", lambda *args: calls.append(1) or split_kv_attention(*args))
+    model = _tiny_lora_model(torch.float32)
+    prompts, params = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11]], SamplingParams(12, temperature=0)
+    runs = {
+        attention: StaticCacheGenerator(model, engine="fused", cuda_graph=False, decode_attention=attention).sample(
+            prompts, params, [1], 0
+        )
+        for attention in ("sdpa", "split_kv")
+    }  # fmt: skip
+    assert len(calls) == 11 * 2  # 11 decode steps after the prefill's token, 2 layers
+    assert runs["split_kv"].completion_ids == runs["sdpa"].completion_ids
+    for ours, theirs in zip(runs["split_kv"].logprobs, runs["sdpa"].logprobs):
+        assert torch.allclose(torch.tensor(ours), torch.tensor(theirs), atol=1e-4)
+
+
+def test_split_kv_where_it_cannot_run_logs_once_and_uses_sdpa(monkeypatch, caplog):
+    from trl_qerl.rollout.decoder_spec import read_decoder
+    from trl_qerl.rollout.fused_decode import FusedDecoder
+
+    model = tiny_model("llama", dtype=torch.float32, head_dim=8)  # below a tl.dot operand's 16
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.fused_decode"):
+        decoder = FusedDecoder(read_decoder(model), 2, 32, "cpu", decode_attention="split_kv")
+    assert not decoder.split_kv
+    assert [r.message for r in caplog.records if "split_kv" in r.message] == [
+        "decode_attention='split_kv' cannot run here (head_dim 8 / dtype torch.float32 is outside what it handles); "
+        "decode attention uses SDPA."
+    ]
+    with pytest.raises(ValueError, match="decode_attention='flash'"):
+        StaticCacheGenerator(model, decode_attention="flash")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_compiled_captured_step_with_split_kv_on_cuda():
+    model = _tiny_lora_model(torch.bfloat16)
+    prompts = torch.randint(3, 128, (4, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    split = StaticCacheGenerator(model, engine="fused", compile=True, decode_attention="split_kv")
+    sdpa = StaticCacheGenerator(model, engine="fused", compile=True)
+    ours, theirs = split.sample(prompts, params, [1], 0), sdpa.sample(prompts, params, [1], 0)
+    agree = [a == b for x, y in zip(ours.completion_ids, theirs.completion_ids) for a, b in zip(x, y)]
+    assert sum(agree) / len(agree) >= 0.9  # bf16 ties may flip a token, then the rows diverge
+    first = torch.tensor([row[0] for row in ours.logprobs]), torch.tensor([row[0] for row in theirs.logprobs])
+    assert torch.allclose(*first, atol=0.05)
+    assert split.captures == 1
