@@ -7,6 +7,8 @@ down) and row count M, times
 * ``nvfp4``: our product (``trl_qerl::nvfp4_linear`` or ``trl_qerl::nvfp4_linear_grouped``: the kernel the chooser
   picks; the ``kernel`` column says which);
 * ``bf16``: ``F.linear`` with the fused bf16 weight (cuBLAS);
+* ``with PDL`` (``--pdl``): our CUDA decode kernel's choice again with Programmatic Dependent Launch
+  (``NVFP4_PDL=1``): each call may start while the previous one finishes and loads its first weights meanwhile;
 * ``humming``: `humming-kernels` (vllm-project/humming, optional: ``pip install humming-kernels``) on the same
   compressed-tensors weight, fused rows;
 * ``floor``: one Triton kernel that only streams the layer's NVFP4 bytes (codes and scales) and does no math: the
@@ -185,13 +187,19 @@ def chosen_kernel(x, layer: Layer, members: int) -> str:
     return str(kernels.CHOOSER.choices.get(key, "heuristic"))
 
 
-def bench_point(layer: Layer, rows: int, variants: list[str]) -> dict:
+def bench_point(layer: Layer, rows: int, variants: list[str], pdl: bool = False) -> dict:
     n, k = layer.n, layer.k
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     io_bytes = (rows * k + rows * n) * 2
     result = {"N": n, "K": k, "M": rows}
     result["nvfp4_s"] = graph_time([nvfp4_call(x, members) for members in layer.members])
     result["kernel"] = chosen_kernel(x, layer, len(layer.members[0]))
+    if pdl and "mma" in result["kernel"]:  # the same calls with Programmatic Dependent Launch (NVFP4_PDL=1)
+        os.environ["NVFP4_PDL"] = "1"
+        try:
+            result["nvfp4_pdl_s"] = graph_time([nvfp4_call(x, members) for members in layer.members])
+        finally:
+            os.environ.pop("NVFP4_PDL")
     result["bf16_s"] = graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.dense])
     if layer.humming and rows <= 512:
         try:
@@ -229,6 +237,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=[""],
                         help="with --sweep: compile-time switches of the kernel source to compare, e.g. "
                         "NVFP4_DEPTH=2,NVFP4_L2_PREFETCH=1 ('' is the default build)")  # fmt: skip
+    parser.add_argument("--pdl", action="store_true",
+                        help="also time the CUDA decode kernel's choices with Programmatic Dependent Launch")  # fmt: skip
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--choices", default=None, help="save the tuned kernel choices here")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new shapes after this")
@@ -244,8 +254,8 @@ def main() -> None:
     for model in args.models:
         print(f"\n### {model}\n")
         print("| shape (N x K) | M | kernel | NVFP4 µs | bf16 µs | NVFP4/bf16 | humming/bf16 | floor/bf16 "
-              "| NVFP4 TB/s (% copy) | bwd NVFP4/bf16 |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| NVFP4 TB/s (% copy) | bwd NVFP4/bf16 |" + (" with PDL µs (/bf16) |" if args.pdl else ""))  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.pdl else ""))
         for name in args.shapes:
             if time.time() - start > args.budget_s:
                 print(f"(stopped: --budget-s {args.budget_s:.0f} reached before {model} {name})")
@@ -253,11 +263,12 @@ def main() -> None:
             layer = Layer(projections(model)[name], props.L2_cache_size, not args.no_humming)
             floor = None if args.no_floor else stream_floor([f[0] for f in layer.fused], [f[1] for f in layer.fused])
             for rows in args.rows:
-                r = bench_point(layer, rows, args.variants if args.sweep else []) | {"model": model, "shape": name}
+                r = bench_point(layer, rows, args.variants if args.sweep else [], args.pdl) | {"model": model,
+                                                                                              "shape": name}  # fmt: skip
                 if floor is not None:
                     r["floor_s"] = floor
                 results.append(r)
-                print(_row(name, r, bandwidth), flush=True)
+                print(_row(name, r, bandwidth, args.pdl), flush=True)
             del layer
             torch.cuda.empty_cache()
             if args.json:
@@ -268,14 +279,15 @@ def main() -> None:
         kernels.CHOOSER.save(args.choices)
 
 
-def _row(name: str, r: dict, bandwidth: float) -> str:
+def _row(name: str, r: dict, bandwidth: float, pdl: bool = False) -> str:
     def ratio(key):
         return f"{r[key] / r['bf16_s']:.2f}" if key in r else "-"
 
     backward = f"{r['nvfp4_backward_s'] / r['bf16_backward_s']:.2f}" if "nvfp4_backward_s" in r else "-"
     return (f"| {name} ({r['N']}x{r['K']}) | {r['M']} | {r['kernel']} | {r['nvfp4_s'] * 1e6:.1f} "
             f"| {r['bf16_s'] * 1e6:.1f} | {ratio('nvfp4_s')} | {ratio('humming_s')} | {ratio('floor_s')} "
-            f"| {r['nvfp4_bandwidth'] / 1e12:.2f} ({100 * r['nvfp4_bandwidth'] / bandwidth:.0f}%) | {backward} |")  # fmt: skip
+            f"| {r['nvfp4_bandwidth'] / 1e12:.2f} ({100 * r['nvfp4_bandwidth'] / bandwidth:.0f}%) | {backward} |"
+            + (f" {r['nvfp4_pdl_s'] * 1e6:.1f} ({ratio('nvfp4_pdl_s')}) |" if "nvfp4_pdl_s" in r else " - |" if pdl else ""))  # fmt: skip
 
 
 def _write(path: str, device: str, bandwidth: float, results: list) -> None:

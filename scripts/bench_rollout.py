@@ -3,7 +3,8 @@ backend (bf16 + LoRA, and NVFP4 + LoRA + AQN) with each decode engine, all in on
 
 Engines of our backend (`StaticCacheGenerator(engine=..., compile=...)`): ``model`` calls the model's forward on a
 transformers StaticCache; ``fused`` runs `FusedDecoder` eagerly; ``fused+compile`` compiles its layers;
-``fused+compile+split_kv`` also takes the split-KV decode attention kernel instead of SDPA. Each is
+``fused+compile+split_kv`` also takes the split-KV decode attention kernel instead of SDPA; ``+pdl`` launches the
+NVFP4 decode kernel with Programmatic Dependent Launch. Each is
 captured as a CUDA graph. ``--profile`` adds, per engine, the kernels of one (uncaptured) decode step at each of
 ``--profile-batches`` by name and category: the same kernels the graph replays.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -63,7 +65,24 @@ def ours(generator, batch, prompt_tokens, new_tokens, vocab):
 
 ENGINES = {"model": dict(engine="model", compile=False), "fused": dict(engine="fused", compile=False),
            "fused+compile": dict(engine="fused", compile=True),
-           "fused+compile+split_kv": dict(engine="fused", compile=True, decode_attention="split_kv")}  # fmt: skip
+           "fused+compile+split_kv": dict(engine="fused", compile=True, decode_attention="split_kv"),
+           "fused+compile+pdl": dict(engine="fused", compile=True),
+           "fused+compile+split_kv+pdl": dict(engine="fused", compile=True, decode_attention="split_kv")}  # fmt: skip
+"""``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
+captures and runs)."""
+
+
+@contextlib.contextmanager
+def engine_environment(engine: str):
+    """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it), else unchanged."""
+    if not engine.endswith("+pdl"):
+        yield
+        return
+    os.environ["NVFP4_PDL"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("NVFP4_PDL", None)
 
 
 def category(kernel: str) -> str:
@@ -148,7 +167,7 @@ def main() -> None:
     parser.add_argument("--compiled-batches", nargs="*", type=int, default=[8], help="batches for the compiled HF run")
     parser.add_argument("--lora-r", type=int, default=32)
     parser.add_argument("--sigma", type=float, default=1e-2, help="AQN noise on the NVFP4 run")
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", default=["model", "fused", "fused+compile"], choices=list(ENGINES))
     parser.add_argument("--skip-bf16", action="store_true", help="measure only the NVFP4 model")
     parser.add_argument("--profile", action="store_true", help="kernel profile of one decode step per engine")
     parser.add_argument("--profile-batches", nargs="+", type=int, default=[1], help="batches that --profile profiles")
@@ -175,7 +194,7 @@ def main() -> None:
     def run_engines(model, label, context):
         for engine in args.engines:
             generator = StaticCacheGenerator(model, **ENGINES[engine])
-            with context():
+            with context(), engine_environment(engine):
                 for batch in args.batches:
                     measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens, args.new_tokens,
                             vocab), batch, args.new_tokens, rows)  # fmt: skip

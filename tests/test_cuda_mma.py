@@ -11,6 +11,7 @@ with fp32 accumulation, relative error below 1e-2 against a float64 reference.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 import subprocess
@@ -121,6 +122,34 @@ def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):
     assert len(loop) / weights_per_lane < 4.0, f"{len(loop)} instructions for {weights_per_lane} weights per lane"
 
 
+@needs_nvrtc
+@pytest.mark.skipif(_cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.parametrize("config", BUILD_CONFIGS[:2], ids=str)
+def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(tmp_path, config):
+    """Programmatic Dependent Launch: before ``griddepcontrol.wait`` (SASS ``ACQBULK``) a CTA may load only what no
+    kernel of the step writes — packed codes (the no-allocate 16-byte loads) and scales (16-bit loads); every
+    activation load and every store comes after it, and ``launch_dependents`` (``PREEXIT``) after the main loop."""
+    cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(torch.bfloat16), "sm_90")
+    (tmp_path / "k.cubin").write_bytes(cubin)
+    sass = subprocess.run([_cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
+    ops = [text.split()[1] if text.startswith("@") else text.split()[0]
+           for text in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]  # fmt: skip
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
+    wait, release = ops.index("ACQBULK"), ops.index("PREEXIT")
+    early_loads = [op for op in ops[:wait] if op.startswith("LDG")]
+    assert early_loads and all(op in ("LDG.E.NA.128.CONSTANT", "LDG.E.U16") for op in early_loads), early_loads
+    assert not any(op.startswith(("STG", "ST.", "RED", "ATOM")) for op in ops[:wait])
+    last_mma = max(i for i, op in enumerate(ops) if op.startswith("HMMA"))
+    assert last_mma < release < min(i for i, op in enumerate(ops) if op.startswith("STG"))
+
+
+def test_programmatic_launch_structures_match_cuda_h():
+    """``cuLaunchKernelEx``'s structures as cuda.h lays them out (x86-64): a wrong size would pass garbage."""
+    assert ctypes.sizeof(nvrtc.LaunchAttribute) == 72 and ctypes.alignment(nvrtc.LaunchAttribute) == 8
+    assert ctypes.sizeof(nvrtc.LaunchConfig) == 56
+    assert nvrtc.LaunchConfig.hStream.offset == 32 and nvrtc.LaunchConfig.numAttrs.offset == 48
+
+
 def test_chooser_saves_decode_kernel_choices(tmp_path):
     from trl_qerl.nvfp4 import kernels as K
 
@@ -228,6 +257,43 @@ def test_cuda_graph_replays_read_new_inputs_in_place():
         x.copy_(torch.randn(8, 512, generator=torch.Generator().manual_seed(seed)).cuda())
         graph.replay()
         assert relative_error(_reference(x, weights, [None] * 3), out) < TOLERANCE
+
+
+@needs_cuda
+@pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm_90")
+def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch):
+    """``NVFP4_PDL=1``: a captured chain of products, each reading the previous one's output (directly, or through
+    an elementwise kernel), equals the reference on every replay: no product reads its input early."""
+    monkeypatch.setenv("NVFP4_PDL", "1")
+    generator = torch.Generator().manual_seed(11)
+    weights = [_quantized(1024, 1024, generator) for _ in range(4)]
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    config = cuda_mma.MMAConfig(1, 1, 4)
+
+    def chain():
+        h = x
+        for i, weight in enumerate(weights):
+            h = cuda_mma.matmul(h, [weight], config)
+            h = _between(h, i)
+        return h
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for seed in range(3):
+        x.copy_(torch.randn(8, 1024, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        expected = x.double()
+        for i, weight in enumerate(weights):
+            expected = _between(expected.to(torch.bfloat16).double() @ dequantize(*weight, dtype=torch.float64).T, i)
+        assert relative_error(expected, out) < TOLERANCE
+
+
+def _between(h, i):
+    # product 1 feeds product 2 directly; the others go through an elementwise kernel
+    return h if i == 1 else h / h.norm(dim=1, keepdim=True)
 
 
 @needs_cuda

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,8 +160,17 @@ def matmul(
         ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)), segments,
     ]  # fmt: skip
-    kernel(config, x.dtype, x.device, options).launch(grid, (32 * config.k_warps, 1, 1), args)
+    programmatic = programmatic_launch(x.device)
+    kernel(config, x.dtype, x.device, options).launch(
+        grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic
+    )
     return out
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether launches use Programmatic Dependent Launch: ``NVFP4_PDL=1`` on sm_90+ (off by default until it is
+    measured in a decode step; the kernel waits for the previous one before reading activations either way)."""
+    return os.environ.get("NVFP4_PDL", "0") == "1" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[MMAConfig]:

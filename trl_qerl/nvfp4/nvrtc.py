@@ -213,17 +213,46 @@ class CudaKernel:
             )
         return cls(function, module, lowered)
 
-    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream=None) -> None:
+    def launch(
+        self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream=None,
+        programmatic: bool = False,
+    ) -> None:  # fmt: skip
         """Launch on ``stream`` (default: torch's current stream). ``args`` are ctypes values (or structures) in
-        the kernel's parameter order."""
+        the kernel's parameter order. ``programmatic``: Programmatic Dependent Launch (sm_90+): the kernel may
+        start before the previous one on the stream has finished and must wait for it itself
+        (``griddepcontrol.wait``) before reading what it wrote."""
         stream = torch.cuda.current_stream() if stream is None else stream
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        _check_cuda(
-            cuda_driver().cuLaunchKernel(
-                self.function, *grid, *block, 0, ctypes.c_void_p(stream.cuda_stream), pointers, None
-            ),
-            f"launching {self.name}",
-        )
+        handle = ctypes.c_void_p(stream.cuda_stream)
+        if not programmatic:
+            result = cuda_driver().cuLaunchKernel(self.function, *grid, *block, 0, handle, pointers, None)
+        else:
+            attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+            attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+            config = LaunchConfig(*grid, *block, 0, handle, ctypes.pointer(attribute), 1)
+            result = cuda_driver().cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None)
+        _check_cuda(result, f"launching {self.name}")
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+"""``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` in cuda.h."""
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` of cuda.h: the attribute id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` of cuda.h (for ``cuLaunchKernelEx``)."""
+
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint),
+    ]  # fmt: skip
 
 
 _KERNELS: dict[tuple, CudaKernel] = {}

@@ -23,6 +23,11 @@
 // multiplied by its block scale (bf16: scale * 2^63, so that products are normal bf16 numbers; exact, since E2M1
 // has 2 significant bits and E4M3 4). The epilogue multiplies the fp32 sums by 2^63 (fp16: 2^14) / global_scale,
 // adds the bias and rounds once.
+//
+// Programmatic Dependent Launch (sm_90+, when the launch sets the attribute; a no-op otherwise): a CTA loads its
+// first blocks of weights, which no kernel of the step writes, before `griddepcontrol.wait` (the previous kernel's
+// outputs, our activations, are visible only after it), and lets the next kernel start its own prologue once the
+// main loop is done. Every global write happens after the wait.
 
 #ifndef NVFP4_DEPTH
 #define NVFP4_DEPTH 1  // 128-column blocks loaded ahead of the one being multiplied (2 and 3 measured no faster)
@@ -185,12 +190,25 @@ struct LanePointers {
   const uint4* x[NT];
 };
 
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_kernel() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // `live` is false only for a lane whose 32 columns of the last (partial) block lie past K: it reads zeros there.
-template <int MT, int NT, bool PREFETCH_X, bool TAIL>
+// WEIGHTS / ACTIVATIONS select what is loaded (the prologue loads the weights before waiting for the activations).
+template <int MT, int NT, bool PREFETCH_X, bool TAIL, bool WEIGHTS = true, bool ACTIVATIONS = true>
 __device__ __forceinline__ void load_stage(Stage<MT, NT, PREFETCH_X>& st, const LanePointers<MT, NT>& p, int kb,
                                            bool live) {
   #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+  for (int mt = 0; mt < (WEIGHTS ? MT : 0); ++mt) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (!TAIL || live) {
@@ -202,7 +220,7 @@ __device__ __forceinline__ void load_stage(Stage<MT, NT, PREFETCH_X>& st, const 
       }
     }
   }
-  if (PREFETCH_X) {
+  if (PREFETCH_X && ACTIVATIONS) {
     #pragma unroll
     for (int nt = 0; nt < (PREFETCH_X ? NT : 1); ++nt) {
       #pragma unroll
@@ -317,7 +335,12 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
   int kb = kb_begin;
   #pragma unroll
   for (int d = 0; d < NVFP4_DEPTH; ++d) {
-    if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false>(st[d], p, kb + d, true);
+    if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false, true, false>(st[d], p, kb + d, true);
+  }
+  wait_for_previous_kernel();
+  #pragma unroll
+  for (int d = 0; d < NVFP4_DEPTH; ++d) {
+    if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false, false, true>(st[d], p, kb + d, true);
   }
   for (; kb + STAGES + NVFP4_DEPTH <= full_end; kb += STAGES) {  // steady state: every load in range
     #pragma unroll
@@ -344,6 +367,8 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
     load_stage<MT, NT, PREFETCH_X, true>(a, p, kb, live);
     compute_stage<MT, NT, BF16, PREFETCH_X, true>(a, acc, p, kb, live);
   }
+
+  allow_next_kernel();
 
   // Partial sums of the KW warps -> shared memory [warp][token][row] -> one fixed-order sum per output.
   __shared__ float partial[KW][TOKENS][ROWS];
