@@ -128,8 +128,14 @@ def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):
 def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(tmp_path, config):
     """Programmatic Dependent Launch: before ``griddepcontrol.wait`` (SASS ``ACQBULK``) a CTA may load only what no
     kernel of the step writes — packed codes (the no-allocate 16-byte loads) and scales (16-bit loads); every
-    activation load and every store comes after it, and ``launch_dependents`` (``PREEXIT``) after the main loop."""
-    cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(torch.bfloat16), "sm_90")
+    activation load and every store comes after it, and ``launch_dependents`` (``PREEXIT``) after the main loop.
+    The default build (no PDL) has neither instruction."""
+    name = config.name_expression(torch.bfloat16)
+    default, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90")
+    (tmp_path / "default.cubin").write_bytes(default)
+    plain = subprocess.run([_cuobjdump(), "-sass", str(tmp_path / "default.cubin")], capture_output=True, text=True)
+    assert "ACQBULK" not in plain.stdout and "PREEXIT" not in plain.stdout and "HMMA" in plain.stdout
+    cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", cuda_mma.PDL_BUILD)
     (tmp_path / "k.cubin").write_bytes(cubin)
     sass = subprocess.run([_cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
     ops = [text.split()[1] if text.startswith("@") else text.split()[0]

@@ -161,15 +161,19 @@ def matmul(
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)), segments,
     ]  # fmt: skip
     programmatic = programmatic_launch(x.device)
-    kernel(config, x.dtype, x.device, options).launch(
-        grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic
-    )
+    build = kernel(config, x.dtype, x.device, options + PDL_BUILD if programmatic else options)
+    build.launch(grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic)
     return out
 
 
+PDL_BUILD = ("-DNVFP4_PDL=1",)
+"""NVRTC flags of the build that waits for the previous kernel itself (csrc/nvfp4_mma.cu, "Programmatic Dependent
+Launch"); the default build has no PDL instructions."""
+
+
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether launches use Programmatic Dependent Launch: ``NVFP4_PDL=1`` on sm_90+ (off by default until it is
-    measured in a decode step; the kernel waits for the previous one before reading activations either way)."""
+    """Whether launches use Programmatic Dependent Launch (and the `PDL_BUILD`): ``NVFP4_PDL=1`` on sm_90+; off by
+    default until it is measured in a decode step."""
     return os.environ.get("NVFP4_PDL", "0") == "1" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 

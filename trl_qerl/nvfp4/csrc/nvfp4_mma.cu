@@ -24,10 +24,10 @@
 // has 2 significant bits and E4M3 4). The epilogue multiplies the fp32 sums by 2^63 (fp16: 2^14) / global_scale,
 // adds the bias and rounds once.
 //
-// Programmatic Dependent Launch (sm_90+, when the launch sets the attribute; a no-op otherwise): a CTA loads its
+// Programmatic Dependent Launch (built with -DNVFP4_PDL=1, launched with the PDL attribute, sm_90+): a CTA loads its
 // first blocks of weights, which no kernel of the step writes, before `griddepcontrol.wait` (the previous kernel's
 // outputs, our activations, are visible only after it), and lets the next kernel start its own prologue once the
-// main loop is done. Every global write happens after the wait.
+// main loop is done. Every global write happens after the wait. The default build has neither instruction.
 
 #ifndef NVFP4_DEPTH
 #define NVFP4_DEPTH 1  // 128-column blocks loaded ahead of the one being multiplied (2 and 3 measured no faster)
@@ -190,14 +190,19 @@ struct LanePointers {
   const uint4* x[NT];
 };
 
+#ifndef NVFP4_PDL
+#define NVFP4_PDL 0
+#endif
+#define PDL (NVFP4_PDL && __CUDA_ARCH__ >= 900)
+
 __device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
+#if PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 __device__ __forceinline__ void allow_next_kernel() {
-#if __CUDA_ARCH__ >= 900
+#if PDL
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -335,13 +340,15 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
   int kb = kb_begin;
   #pragma unroll
   for (int d = 0; d < NVFP4_DEPTH; ++d) {
-    if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false, true, false>(st[d], p, kb + d, true);
+    if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false, true, !PDL>(st[d], p, kb + d, true);
   }
+#if PDL
   wait_for_previous_kernel();
   #pragma unroll
   for (int d = 0; d < NVFP4_DEPTH; ++d) {
     if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false, false, true>(st[d], p, kb + d, true);
   }
+#endif
   for (; kb + STAGES + NVFP4_DEPTH <= full_end; kb += STAGES) {  // steady state: every load in range
     #pragma unroll
     for (int j = 0; j < STAGES; ++j) {
