@@ -12,6 +12,7 @@ from _tiny import tiny_model
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rollout.decode_attention import (
+    MIN_STAT,
     combine_partials,
     launch_partials,
     partials_reference,
@@ -73,10 +74,22 @@ def test_chunks_past_the_position_are_never_read_and_weigh_nothing():
     )
     launch_partials(q, keys, values, mask, 0.25, position, acc, maxima, sums)
     assert not any(t.isnan().any() for t in (acc, maxima, sums))
-    assert (sums[:, 3:] == 0).all() and (acc[:, 3:] == 0).all() and (maxima[:, 3:] == -1e30).all()
+    assert (sums[:, 3:] == 0).all() and (acc[:, 3:] == 0).all() and (maxima[:, 3:] == MIN_STAT).all()
     for ours, theirs in zip((acc, maxima, sums), expected):
         assert torch.allclose(ours.cpu(), theirs, rtol=1e-3, atol=1e-4)
     assert _relative_error(combine_partials(acc, maxima, sums).reshape(q.shape), clean) < TOLERANCE[torch.float32]
+
+
+def test_a_row_with_every_position_masked_stays_finite():
+    """Cannot happen in decode (the current position is always visible), but must not produce NaN: such a row
+    averages the values up to the position, as SDPA would over that part of the cache."""
+    q, keys, values, mask, position = _inputs(2, 4, 2, 64, 16, position=40, dtype=torch.bfloat16, seed=4)
+    mask[0] = torch.finfo(torch.bfloat16).min
+    ours = split_kv_attention(q, keys, values, mask, 0.25, position)
+    assert torch.isfinite(ours).all()
+    seen = slice(0, 41)
+    expected = _sdpa64(q, keys[:, :, seen], values[:, :, seen], mask[..., seen], 0.25)
+    assert _relative_error(ours, expected) < TOLERANCE[torch.bfloat16]
 
 
 def test_the_op_compiles_into_a_graph():

@@ -24,6 +24,7 @@ import triton.language as tl
 
 
 __all__ = [
+    "MIN_STAT",
     "chunk_size",
     "combine_partials",
     "launch_partials",
@@ -36,7 +37,9 @@ __all__ = [
 BLOCK = 32
 """Cache positions per inner step of a program."""
 
-_MIN_STAT = -1.0e30  # a finite "minus infinity" for the running max: exp(min - min) must stay 0/1, never NaN
+MIN_STAT = torch.finfo(torch.float32).min
+"""The running max before any position (finite, so that ``exp(max - max)`` is 1, never NaN, and below any masked
+score ``s + finfo(bf16/fp16).min``: a row whose positions are all masked averages them, as SDPA does)."""
 
 
 @triton.jit
@@ -46,6 +49,7 @@ def _partials_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    MIN_STAT: tl.constexpr,
 ):  # fmt: skip
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -60,7 +64,7 @@ def _partials_kernel(
     last = tl.load(position_ptr)  # the position written this step; later ones are masked anyway
     start = split * CHUNK
     end = tl.minimum(tl.minimum(start + CHUNK, last + 1), cache_len)
-    running_max = tl.full([GROUP_PAD], _MIN_STAT, dtype=tl.float32)
+    running_max = tl.full([GROUP_PAD], MIN_STAT, dtype=tl.float32)
     running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     k_base = k_ptr + row * stride_kb + kv_head * stride_kh
@@ -127,7 +131,7 @@ def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima,
         q3.stride(0), q3.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), mask2.stride(0),
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        CHUNK=chunk, BLOCK=BLOCK, SPLITS=splits, DOT_DTYPE=_dot_dtype(q.dtype),
+        CHUNK=chunk, BLOCK=BLOCK, SPLITS=splits, DOT_DTYPE=_dot_dtype(q.dtype), MIN_STAT=MIN_STAT,
     )  # fmt: skip
 
 
@@ -179,7 +183,7 @@ def split_kv_attention(
 
 def combine_partials(acc: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
     """Merge per-chunk softmax partials ``acc[N, S, G, D]`` (unnormalised), ``maxima/sums[N, S, G]`` into
-    ``[N, G, D]`` in fp32. Chunks that saw no position have max ``-1e30`` and weigh exactly zero."""
+    ``[N, G, D]`` in fp32. Chunks that saw no position have max `MIN_STAT` and weigh exactly zero."""
     overall = maxima.amax(dim=1, keepdim=True)
     weights = torch.exp(maxima - overall)
     return (acc * weights[..., None]).sum(1) / (sums * weights).sum(1)[..., None]
@@ -196,11 +200,11 @@ def partials_reference(q, keys, values, mask, scaling, cache_position, chunk: in
     scores = torch.einsum("bhgd,bhld->bhgl", qg, keys.float()) * scaling + mask.float().reshape(batch, 1, 1, -1)
     scores[..., last + 1 :] = float("-inf")
     acc = torch.zeros(batch * kv_heads, splits, group, head_dim)
-    maxima = torch.full((batch * kv_heads, splits, group), _MIN_STAT)
+    maxima = torch.full((batch * kv_heads, splits, group), MIN_STAT)
     sums = torch.zeros(batch * kv_heads, splits, group)
     for split in range(splits):
         block = scores[..., split * chunk : (split + 1) * chunk].reshape(batch * kv_heads, group, -1)
-        block_max = torch.maximum(block.amax(-1), torch.tensor(_MIN_STAT))
+        block_max = torch.maximum(block.amax(-1), torch.tensor(MIN_STAT))
         probs = torch.exp(block - block_max[..., None])
         part_values = values.float()[:, :, split * chunk : (split + 1) * chunk].reshape(batch * kv_heads, -1, head_dim)
         acc[:, split] = probs @ part_values
