@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--skip-bf16", action="store_true", help="measure only the NVFP4 model")
     parser.add_argument("--profile", action="store_true", help="kernel profile of one decode step per engine")
     parser.add_argument("--profile-batches", nargs="+", type=int, default=[1], help="batches that --profile profiles")
+    parser.add_argument("--prefill", action="store_true",
+                        help="also time the prefill alone per batch (what sharing a prompt's prefill could save)")  # fmt: skip
     parser.add_argument("--json", default=None)
     parser.add_argument("--choices", default=None, help="save the kernel choices made during the run")
     args = parser.parse_args()
@@ -198,6 +200,9 @@ def main() -> None:
                 for batch in args.batches:
                     measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens, args.new_tokens,
                             vocab), batch, args.new_tokens, rows)  # fmt: skip
+                    if args.prefill:  # one new token: the prompt's prefill and the first sample, nothing else
+                        measure(f"ours ({engine}), {label}, prefill only", ours(generator, batch, args.prompt_tokens,
+                                1, vocab), batch, 1, rows)  # fmt: skip
                 for batch in args.profile_batches if args.profile else ():
                     ours(generator, batch, args.prompt_tokens, 8, vocab)()
                     profile_step(generator, f"{engine}, {label}, batch {batch}", rows)
