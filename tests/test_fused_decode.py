@@ -266,3 +266,15 @@ def test_trainer_config_chooses_the_engine(tmp_path):
     trainer.args = args
     backend = make_rollout_backend("fast", trainer)
     assert (backend.engine, backend.compile) == ("model", False)
+
+
+def test_the_compile_options_exist_in_this_torch():
+    """An inductor option renamed by a torch release would make every compile fail (then eager layers, slower):
+    caught here first, on the torch that CI installs."""
+    import torch._inductor.config as inductor_config
+
+    from trl_qerl.rollout.fused_decode import COMPILE_OPTIONS
+
+    assert COMPILE_OPTIONS["emulate_precision_casts"] and COMPILE_OPTIONS["combo_kernels"]
+    for name in COMPILE_OPTIONS:
+        assert hasattr(inductor_config, name), name
