@@ -57,10 +57,17 @@ def hf_generate(model, batch, prompt_tokens, new_tokens, vocab, static: bool):
     )
 
 
-def ours(generator, batch, prompt_tokens, new_tokens, vocab):
+def ours(generator, batch, prompt_tokens, new_tokens, vocab, eos=(1,)):
     prompts = torch.randint(3, vocab, (batch, prompt_tokens)).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
-    return lambda: generator.generate(prompts, params, eos_token_ids=[1], pad_token_id=0)
+    return lambda: generator.generate(prompts, params, eos_token_ids=list(eos), pad_token_id=0)
+
+
+def spread_eos(vocab: int, rate: float) -> list[int]:
+    """Token ids that end a completion, ``rate`` of the vocabulary: random weights sample close to uniformly, so each
+    step stops a row with probability ~``rate`` (geometric lengths, mean ~1 / rate, capped by ``--new-tokens``)."""
+    ids = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(0))[: max(1, round(rate * vocab))] + 1
+    return ids.tolist()
 
 
 ENGINES = {"model": dict(engine="model", compile=False), "fused": dict(engine="fused", compile=False),
@@ -141,20 +148,26 @@ def profile_step(generator, label, rows):
                                      for n, (c, t) in sorted(names.items(), key=lambda item: -item[1][1])]})  # fmt: skip
 
 
-def measure(name, make_call, batch, new_tokens, rows, repeat_first=True):
+def measure(name, make_call, batch, new_tokens, rows, repeat_first=True, count_tokens=False):
+    """Time ``make_call`` (twice unless ``repeat_first`` is False). ``count_tokens``: the call returns completions
+    whose lengths vary (EOS spread): tokens/s counts what was generated, ms/step divides by the longest row."""
     try:
         first, _ = timed(make_call)
-        seconds, _ = timed(make_call) if repeat_first else (first, None)
+        seconds, completions = timed(make_call) if repeat_first else (first, None)
     except Exception as error:  # noqa: BLE001 - one failing configuration must not hide the others
         print(f"{name} batch {batch}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
         return
-    tokens = batch * new_tokens
+    lengths = [len(c) for c in completions] if count_tokens else [new_tokens] * batch
+    tokens, steps = sum(lengths), max(lengths)
     row = {"backend": name, "batch": batch, "new_tokens": new_tokens, "seconds": seconds,
-           "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / new_tokens,
+           "tokens_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps,
            "first_call_extra_s": first - seconds}  # fmt: skip
+    if count_tokens:
+        row |= {"mean_length": tokens / batch, "max_length": steps}
     rows.append(row)
-    print(f"| {name} | {batch} | {row['tokens_per_s']:.0f} | {row['ms_per_step']:.2f} | {row['first_call_extra_s']:.1f} |",
-          flush=True)  # fmt: skip
+    spread = f" (lengths: mean {row['mean_length']:.0f}, longest {steps})" if count_tokens else ""
+    print(f"| {name}{spread} | {batch} | {row['tokens_per_s']:.0f} | {row['ms_per_step']:.2f} | "
+          f"{row['first_call_extra_s']:.1f} |", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -171,6 +184,9 @@ def main() -> None:
     parser.add_argument("--skip-bf16", action="store_true", help="measure only the NVFP4 model")
     parser.add_argument("--profile", action="store_true", help="kernel profile of one decode step per engine")
     parser.add_argument("--profile-batches", nargs="+", type=int, default=[1], help="batches that --profile profiles")
+    parser.add_argument("--eos-rate", type=float, default=0.0,
+                        help="also run each batch with this share of the vocabulary ending completions (a length "
+                        "spread: what rows that finish early still cost)")  # fmt: skip
     parser.add_argument("--prefill", action="store_true",
                         help="also time the prefill alone per batch (what sharing a prompt's prefill could save)")  # fmt: skip
     parser.add_argument("--json", default=None)
@@ -200,6 +216,11 @@ def main() -> None:
                 for batch in args.batches:
                     measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens, args.new_tokens,
                             vocab), batch, args.new_tokens, rows)  # fmt: skip
+                    if args.eos_rate > 0:
+                        eos = spread_eos(vocab, args.eos_rate)
+                        measure(f"ours ({engine}), {label}, EOS rate {args.eos_rate:g}", ours(generator, batch,
+                                args.prompt_tokens, args.new_tokens, vocab, eos), batch, args.new_tokens, rows,
+                                count_tokens=True)  # fmt: skip
                     if args.prefill:  # one new token: the prompt's prefill and the first sample, nothing else
                         measure(f"ours ({engine}), {label}, prefill only", ours(generator, batch, args.prompt_tokens,
                                 1, vocab), batch, 1, rows)  # fmt: skip
