@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +165,23 @@ def test_compiled_captured_step_with_split_kv_on_cuda():
     first = torch.tensor([row[0] for row in ours.logprobs]), torch.tensor([row[0] for row in theirs.logprobs])
     assert torch.allclose(*first, atol=0.05)
     assert split.captures == 1
+
+
+def test_the_rollout_package_imports_without_triton():
+    """Triton is optional (CPU-only environments such as vLLM's CPU build lack it): importing the decoders must not
+    need it, and asking for split-KV attention there logs and uses SDPA."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from trl_qerl.rollout.fast import StaticCacheGenerator\n"
+        "from trl_qerl.rollout.decoder_spec import read_decoder\n"
+        "from trl_qerl.rollout.fused_decode import FusedDecoder\n"
+        "from _tiny import tiny_model\n"
+        "decoder = FusedDecoder(read_decoder(tiny_model('qwen2')), 1, 16, 'cpu', decode_attention='split_kv')\n"
+        "assert not decoder.split_kv\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                            cwd=Path(__file__).parent)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Triton is not installed" in result.stderr

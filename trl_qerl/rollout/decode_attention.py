@@ -10,17 +10,15 @@ statistics; `combine_partials` (plain torch, which inductor fuses into the next 
 them exactly.
 
 The result equals SDPA's up to summation order and the bf16 rounding of the probabilities before ``P @ V`` (as in
-flash attention). `split_kv_attention` runs the Triton kernel (on CPU machines in Triton's interpreter, as the
-tests do); `partials_reference` is the same computation in torch.
+flash attention). `split_kv_attention` runs the Triton kernel (`_split_kv_kernel`, imported when first launched;
+on CPU machines in Triton's interpreter, as the tests do); `partials_reference` is the same computation in torch.
 """
 
 from __future__ import annotations
 
-import os
+import importlib.util
 
 import torch
-import triton
-import triton.language as tl
 
 
 __all__ = [
@@ -32,6 +30,7 @@ __all__ = [
     "split_kv_applies",
     "split_kv_attention",
     "split_kv_partials",
+    "triton_available",
 ]
 
 BLOCK = 32
@@ -40,53 +39,6 @@ BLOCK = 32
 MIN_STAT = torch.finfo(torch.float32).min
 """The running max before any position (finite, so that ``exp(max - max)`` is 1, never NaN, and below any masked
 score ``s + finfo(bf16/fp16).min``: a row whose positions are all masked averages them, as SDPA does)."""
-
-
-@triton.jit
-def _partials_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, position_ptr, acc_ptr, max_ptr, sum_ptr,
-    scaling, cache_len,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb,
-    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    MIN_STAT: tl.constexpr,
-):  # fmt: skip
-    row_head = tl.program_id(0)
-    split = tl.program_id(1)
-    row = row_head // KV_HEADS
-    kv_head = row_head % KV_HEADS
-    heads = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + row * stride_qb + (kv_head * GROUP + heads)[:, None] * stride_qh + dims[None, :],
-        mask=(heads < GROUP)[:, None], other=0.0,
-    ).to(DOT_DTYPE)  # fmt: skip
-    last = tl.load(position_ptr)  # the position written this step; later ones are masked anyway
-    start = split * CHUNK
-    end = tl.minimum(tl.minimum(start + CHUNK, last + 1), cache_len)
-    running_max = tl.full([GROUP_PAD], MIN_STAT, dtype=tl.float32)
-    running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    k_base = k_ptr + row * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + row * stride_vb + kv_head * stride_vh
-    for offset in range(start, end, BLOCK):
-        positions = offset + tl.arange(0, BLOCK)
-        inside = positions < end
-        keys = tl.load(k_base + positions[:, None] * stride_kl + dims[None, :], mask=inside[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(keys.to(DOT_DTYPE))) * scaling
-        additive = tl.load(mask_ptr + row * stride_mb + positions, mask=inside, other=0.0).to(tl.float32)
-        scores = tl.where(inside[None, :], scores + additive[None, :], float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        values = tl.load(v_base + positions[:, None] * stride_vl + dims[None, :], mask=inside[:, None], other=0.0)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), values.to(DOT_DTYPE))
-        running_max = new_max
-    out = (row_head * SPLITS + split) * GROUP
-    tl.store(acc_ptr + (out + heads)[:, None] * HEAD_DIM + dims[None, :], acc, mask=(heads < GROUP)[:, None])
-    tl.store(max_ptr + out + heads, running_max, mask=heads < GROUP)
-    tl.store(sum_ptr + out + heads, running_sum, mask=heads < GROUP)
 
 
 def split_kv_applies(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -111,42 +63,32 @@ def chunk_size(cache_len: int, row_heads: int, device: torch.device) -> int:
     """Cache positions per program: enough programs (``row_heads`` x chunks) to fill the GPU twice over, each at
     least one `BLOCK`."""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    chunk = triton.cdiv(cache_len * row_heads, 2 * processors)
-    return max(BLOCK, triton.cdiv(chunk, BLOCK) * BLOCK)
+    chunk = _cdiv(cache_len * row_heads, 2 * processors)
+    return max(BLOCK, _cdiv(chunk, BLOCK) * BLOCK)
 
 
 def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, sums) -> None:
     """Run the kernel into ``acc[B*KVH, S, G, D]``, ``maxima`` / ``sums[B*KVH, S, G]`` (fp32). The ``S`` chunks
-    are ``cdiv(cache_len, S)`` positions rounded up to `BLOCK`."""
-    batch, heads, _, head_dim = q.shape
-    kv_heads, cache_len = keys.shape[1], keys.shape[2]
-    splits = acc.shape[1]
-    chunk = triton.cdiv(triton.cdiv(cache_len, splits), BLOCK) * BLOCK
-    q3 = q.reshape(batch, heads, head_dim)
-    mask2 = mask.reshape(batch, cache_len)
-    group = heads // kv_heads
-    _partials_kernel[(batch * kv_heads, splits)](
-        q3, keys, values, mask2, cache_position, acc, maxima, sums,
-        scaling, cache_len,
-        q3.stride(0), q3.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), mask2.stride(0),
-        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        CHUNK=chunk, BLOCK=BLOCK, SPLITS=splits, DOT_DTYPE=_dot_dtype(q.dtype), MIN_STAT=MIN_STAT,
-    )  # fmt: skip
+    are ``cdiv(cache_len, S)`` positions rounded up to `BLOCK`. Needs Triton (imported here: the package imports
+    without it)."""
+    from ._split_kv_kernel import launch
+
+    launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block=BLOCK, min_stat=MIN_STAT)
 
 
-def _dot_dtype(dtype: torch.dtype):
-    # Triton's interpreter multiplies 16-bit float tiles as their integer bits: it gets fp32 operands (the CPU tests
-    # check the algorithm there; the bf16 tensor-core products are checked on CUDA).
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or dtype == torch.float32:
-        return tl.float32
-    return tl.float16 if dtype == torch.float16 else tl.bfloat16
+def triton_available() -> bool:
+    """Whether Triton can be imported (it is optional: CPU-only environments may lack it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _partials_shape(q: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int, int]:
     batch, heads, _, head_dim = q.shape
     kv_heads, cache_len = keys.shape[1], keys.shape[2]
-    splits = triton.cdiv(cache_len, chunk_size(cache_len, batch * kv_heads, q.device))
+    splits = _cdiv(cache_len, chunk_size(cache_len, batch * kv_heads, q.device))
     return batch * kv_heads, splits, heads // kv_heads, head_dim
 
 
@@ -194,7 +136,7 @@ def partials_reference(q, keys, values, mask, scaling, cache_position, chunk: in
     batch, heads, _, head_dim = q.shape
     kv_heads, cache_len = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    splits = triton.cdiv(cache_len, chunk)
+    splits = _cdiv(cache_len, chunk)
     last = int(cache_position[0])
     qg = q.float().reshape(batch, kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bhld->bhgl", qg, keys.float()) * scaling + mask.float().reshape(batch, 1, 1, -1)

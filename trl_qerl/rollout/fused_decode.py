@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..nvfp4.dispatch import kernels_for
-from .decode_attention import split_kv_applies, split_kv_attention
+from .decode_attention import split_kv_applies, split_kv_attention, triton_available
 from .decoder_spec import DecoderSpec, LayerSpec, NormSpec, Projection
 
 
@@ -208,6 +208,8 @@ def _split_kv_runs(spec: DecoderSpec, batch: int, device: torch.device) -> bool:
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if not split_kv_applies(probe, keys, mask):
         reason = f"head_dim {spec.head_dim} / dtype {spec.dtype} is outside what it handles"
+    elif not triton_available():
+        reason = "Triton is not installed"
     elif device.type != "cuda" and not interpreted:
         reason = f"it needs CUDA (or Triton's interpreter), the cache is on {device.type}"
     else:
