@@ -253,12 +253,7 @@ def test_cuda_graph_replays_read_new_inputs_in_place():
     weights = [_quantized(n, 512, generator) for n in (384, 64, 64)]
     packed, scale, gs = (list(t) for t in zip(*weights))
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
-    call = lambda: torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, [None] * 3)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = _captured(lambda: torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, [None] * 3))
     for seed in range(3):
         x.copy_(torch.randn(8, 512, generator=torch.Generator().manual_seed(seed)).cuda())
         graph.replay()
@@ -283,11 +278,7 @@ def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch):
             h = _between(h, i)
         return h
 
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    graph, out = _captured(chain)
     for seed in range(3):
         x.copy_(torch.randn(8, 1024, generator=torch.Generator().manual_seed(seed)).cuda())
         graph.replay()
@@ -295,6 +286,16 @@ def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch):
         for i, weight in enumerate(weights):
             expected = _between(expected.to(torch.bfloat16).double() @ dequantize(*weight, dtype=torch.float64).T, i)
         assert relative_error(expected, out) < TOLERANCE
+
+
+def _captured(call):
+    """``call`` run once outside capture (kernel builds, choices), then recorded: the graph and its output."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
 
 
 def _between(h, i):
