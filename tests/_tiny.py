@@ -43,6 +43,20 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.bf
     return model.to(dtype).eval()
 
 
+def tiny_nvfp4_lora_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """`tiny_model("qwen2")` quantised to NVFP4 with LoRA r4 on every linear layer, its B matrices non-zero (a
+    non-trivial adapter), in eval mode on ``device``."""
+    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+    from trl_qerl.quantizer import quantize_model
+
+    model = get_peft_model(quantize_model(tiny_model("qwen2", dtype=dtype)), nvfp4_lora_config(r=4))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return model.to(device).eval()
+
+
 def random_tokens(batch: int = 2, length: int = 9, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 

@@ -16,7 +16,7 @@ def _partials_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    MIN_STAT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MIN_STAT: tl.constexpr,
 ):  # fmt: skip
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -40,7 +40,7 @@ def _partials_kernel(
         positions = offset + tl.arange(0, BLOCK)
         inside = positions < end
         keys = tl.load(k_base + positions[:, None] * stride_kl + dims[None, :], mask=inside[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(keys.to(DOT_DTYPE))) * scaling
+        scores = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scaling
         additive = tl.load(mask_ptr + row * stride_mb + positions, mask=inside, other=0.0).to(tl.float32)
         scores = tl.where(inside[None, :], scores + additive[None, :], float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -48,7 +48,7 @@ def _partials_kernel(
         probs = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, 1)
         values = tl.load(v_base + positions[:, None] * stride_vl + dims[None, :], mask=inside[:, None], other=0.0)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), values.to(DOT_DTYPE))
+        acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         running_max = new_max
     out = (row_head * SPLITS + split) * GROUP
     tl.store(acc_ptr + (out + heads)[:, None] * HEAD_DIM + dims[None, :], acc, mask=(heads < GROUP)[:, None])
@@ -65,13 +65,16 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
     q3 = q.reshape(batch, heads, head_dim)
     mask2 = mask.reshape(batch, cache_len)
     group = heads // kv_heads
+    # fp32 inputs get fp32 products ("ieee"): tl.dot's CUDA default is tf32 (10-bit mantissa), not what an fp32
+    # caller asked for; the fp32 tests failed with it on the H200. 16-bit operands ignore the argument.
     _partials_kernel[(batch * kv_heads, splits)](
         q3, keys, values, mask2, cache_position, acc, maxima, sums,
         scaling, cache_len,
         q3.stride(0), q3.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), mask2.stride(0),
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        CHUNK=chunk, BLOCK=block, SPLITS=splits, DOT_DTYPE=_dot_dtype(q.dtype), MIN_STAT=min_stat,
+        CHUNK=chunk, BLOCK=block, SPLITS=splits, DOT_DTYPE=_dot_dtype(q.dtype),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_STAT=min_stat,
     )  # fmt: skip
 
 
