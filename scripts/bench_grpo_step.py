@@ -106,7 +106,7 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         for t in state.values()
         if torch.is_tensor(t)
     )
-    steps = [e for e in trainer.state.log_history if "time/step_s" in e][1:]  # drop the warm-up step
+    warmup, *steps = [e for e in trainer.state.log_history if "time/step_s" in e]  # the warm-up is not averaged
     mean = lambda key: statistics.mean(e[key] for e in steps)  # noqa: E731
     result = {
         "mode": mode,
@@ -125,6 +125,8 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         "steps_averaged": len(steps),
         "step_s_each": [e["time/step_s"] for e in steps],
         "completion_length_each": [e["completions/mean_length"] for e in steps],
+        "forward_backward_s_each": [e["time/forward_backward_s"] for e in steps],
+        "warmup": {key: warmup[key] for key in ("time/step_s", "time/forward_backward_s", "completions/mean_length")},
         **build,
     }
     del trainer, base
