@@ -60,7 +60,12 @@ def hf_generate(model, batch, prompt_tokens, new_tokens, vocab, static: bool):
 def ours(generator, batch, prompt_tokens, new_tokens, vocab, eos=(1,)):
     prompts = torch.randint(3, vocab, (batch, prompt_tokens)).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
-    return lambda: generator.generate(prompts, params, eos_token_ids=list(eos), pad_token_id=0)
+
+    def call():
+        torch.manual_seed(0)  # every call and engine draws the same lengths (until rows are compacted)
+        return generator.generate(prompts, params, eos_token_ids=list(eos), pad_token_id=0)
+
+    return call
 
 
 def spread_eos(vocab: int, rate: float) -> list[int]:
@@ -74,9 +79,11 @@ ENGINES = {"model": dict(engine="model", compile=False), "fused": dict(engine="f
            "fused+compile": dict(engine="fused", compile=True),
            "fused+compile+split_kv": dict(engine="fused", compile=True, decode_attention="split_kv"),
            "fused+compile+pdl": dict(engine="fused", compile=True),
-           "fused+compile+split_kv+pdl": dict(engine="fused", compile=True, decode_attention="split_kv")}  # fmt: skip
+           "fused+compile+split_kv+pdl": dict(engine="fused", compile=True, decode_attention="split_kv"),
+           "fused+compile+compact": dict(engine="fused", compile=True, compact_finished=True)}  # fmt: skip
 """``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
-captures and runs)."""
+captures and runs). ``+compact``: rows still decoding move to a smaller step once at most half are left
+(`StaticCacheGenerator(compact_finished=True)`; measure it with ``--eos-rate``)."""
 
 
 @contextlib.contextmanager
@@ -227,7 +234,7 @@ def main() -> None:
                 for batch in args.profile_batches if args.profile else ():
                     ours(generator, batch, args.prompt_tokens, 8, vocab)()
                     profile_step(generator, f"{engine}, {label}, batch {batch}", rows)
-            print(f"graph captures ({engine}): {generator.captures}", flush=True)
+            print(f"graph captures ({engine}): {generator.captures}; compactions: {generator.compactions}", flush=True)
             del generator
             torch.cuda.empty_cache()
 

@@ -8,7 +8,10 @@ gpt-fast's recipe on transformers' own machinery:
   CUDA graph and replayed for every token: no per-token host work but the replay launch and an "all finished?"
   check every ``check_every`` steps;
 * attention masks are passed ready-made in 4D, so no mask-building code with host synchronisation runs inside the
-  graph.
+  graph;
+* optionally (``compact_finished``, fused step only) rows still decoding move to a smaller captured step once at
+  most half of them are left: the smaller step works on the first rows of the same KV cache, so it needs no new
+  memory but its token buffers, and each size is captured once.
 
 The decode step itself is `fused_decode.FusedDecoder` where the model is a Llama/Mistral/Qwen2/Qwen3 (its layers
 recomputed over the model's tensors, read in place by `decoder_spec.read_decoder`; on CUDA each layer compiled once,
@@ -115,8 +118,9 @@ class _ModelForward:
 class _DecodeState:
     """Fixed buffers of one (batch, cache length, sampling) shape and the in-place decode step over them."""
 
-    def __init__(self, model, backend, batch, params, eos, pad_id, device, graph: bool) -> None:
+    def __init__(self, model, backend, batch, params, eos, pad_id, device, graph: bool, capture_at: int = 0) -> None:
         self.model, self.backend, self.params, self.eos, self.pad_id = model, backend, params, eos, pad_id
+        self.batch = batch
         self.storage = storage_fingerprint(model)
         cache_len = backend.cache_len
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
@@ -130,7 +134,12 @@ class _DecodeState:
         self.visible, self.hidden = _mask_values(backend.mask_dtype)
         self.mask = torch.full((batch, 1, 1, cache_len), self.hidden, dtype=backend.mask_dtype, device=device)
         self.graph = None
+        self.smaller: dict[int, _DecodeState] = {}
+        """States over the first rows of this one's KV cache (`compacted`), made on first use and kept."""
         if graph:
+            # Capturing runs the step twice, writing keys/values at `cache_position`: a state made mid-rollout
+            # captures at the current position, which the next step overwrites before anything reads it.
+            self.cache_position.fill_(capture_at)
             self._capture()
 
     def step(self) -> None:
@@ -153,6 +162,24 @@ class _DecodeState:
             self.step()
         else:
             self.graph.replay()
+
+    def compacted(self, index: torch.Tensor) -> _DecodeState:
+        """Continue the rows ``index`` (a device tensor) of this state in a state of ``len(index)`` rows over the
+        first rows of the same KV cache: their cache rows, tokens, positions, masks, finished flags and outputs so
+        far move there; the smaller state's step (captured once, kept for later rollouts) then decodes only them."""
+        batch = index.numel()
+        smaller = self.smaller.get(batch)
+        if smaller is None:
+            smaller = _DecodeState(self.model, self.backend.first_rows(batch), batch, self.params, self.eos,
+                                   self.pad_id, self.tokens.device, self.graph is not None,
+                                   capture_at=int(self.cache_position))  # fmt: skip
+            self.smaller[batch] = smaller
+        self.backend.gather_rows(index)
+        for name in ("tokens", "positions", "finished", "out", "logprobs", "entropy", "mask"):
+            getattr(smaller, name).copy_(getattr(self, name).index_select(0, index))
+        for name in ("cache_position", "step_index"):
+            getattr(smaller, name).copy_(getattr(self, name))
+        return smaller
 
     def _capture(self) -> None:
         # Warm up on a side stream (kernel choices, cuBLAS handles), then record one step. The warm-up writes
@@ -199,6 +226,12 @@ class StaticCacheGenerator:
         compile: run the fused step's layers through ``torch.compile`` (default: on CUDA).
         decode_attention: the fused step's decode attention, ``"sdpa"`` (default) or ``"split_kv"`` (a Triton
             kernel that reads the cache only up to the current position; see `FusedDecoder`).
+        compact_finished: when at most half of the rows are still decoding (checked every ``check_every`` steps,
+            with at least ``2 * check_every`` steps left), move them to a smaller step (a power of two of rows,
+            over the first rows of the same KV cache; each size captured once and kept) so finished rows stop
+            costing. Fused engine only (the model engine logs and decodes without it). Greedy outputs are the
+            same with or without; sampled ones are draws of the same distribution (fewer rows draw from the
+            generator).
     """
 
     def __init__(
@@ -211,6 +244,7 @@ class StaticCacheGenerator:
         engine: str = "auto",
         compile: bool | None = None,
         decode_attention: str = "sdpa",
+        compact_finished: bool = False,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"Unknown engine={engine!r}; use one of {ENGINES}.")
@@ -223,9 +257,15 @@ class StaticCacheGenerator:
         self.compile = device.type == "cuda" if compile is None else compile
         self.batch_bucket, self.length_bucket, self.check_every = batch_bucket, length_bucket, check_every
         self.engine = self._choose_engine(engine)
+        self.compact_finished = compact_finished and self.engine == "fused"
+        if compact_finished and not self.compact_finished:
+            logger.warning("compact_finished needs the fused decode step; this model decodes through its forward, "
+                           "where finished rows keep decoding until all have finished")  # fmt: skip
         self._states: dict[tuple, _DecodeState] = {}
         self.captures = 0
         """Number of decode-step captures (one per shape bucket and sampling setting) in this process."""
+        self.compactions = 0
+        """Number of times rows still decoding moved to a smaller step (``compact_finished``)."""
 
     def _choose_engine(self, engine: str) -> str:
         if engine in ("auto", "fused"):
@@ -312,12 +352,7 @@ class StaticCacheGenerator:
             state.out[:, 0] = first
             state.logprobs[:, 0], state.entropy[:, 0] = first_logprob, first_entropy
             state.mask.copy_(torch.where(padding, state.visible, state.hidden)[:, None, None, :])
-            for index in range(1, params.max_new_tokens):
-                if index % self.check_every == 0 and bool(state.finished[:rows].all()):
-                    break
-                state.replay()
-            generated = state.out[:rows].tolist()
-            logprobs, entropy = state.logprobs[:rows].tolist(), state.entropy[:rows].tolist()
+            generated, logprobs, entropy = (tensor.tolist() for tensor in self._decode(state, rows, params))
         finally:
             if was_training:
                 model.train()
@@ -328,6 +363,41 @@ class StaticCacheGenerator:
             [row[:n] for row, n in zip(logprobs, lengths)],
             [row[:n] for row, n in zip(entropy, lengths)],
         )
+
+    def _decode(self, state: _DecodeState, rows: int, params: SamplingParams) -> list[torch.Tensor]:
+        """Replay the decode step until every prompt's row has finished or ``max_new_tokens`` are out; returns the
+        ``rows`` prompts' tokens, log-probs and entropies ``[rows, max_new_tokens]``, moving the rows still
+        decoding to smaller steps on the way if ``compact_finished``."""
+        steps = params.max_new_tokens
+        active, row_ids = state, torch.arange(state.batch, device=state.tokens.device)  # prompt of each row
+        real = row_ids < rows  # the rest fill the batch bucket
+        outputs = None
+        for index in range(1, steps):
+            if index % self.check_every == 0:
+                live = real & ~active.finished
+                count = int(live.sum())
+                if count == 0:
+                    break
+                smaller = _power_of_two_at_least(count)
+                if self.compact_finished and smaller <= active.batch // 2 and steps - index >= 2 * self.check_every:
+                    outputs = _collect(active, row_ids, real, outputs, rows)
+                    active, row_ids, real = self._compact(active, live, smaller, row_ids)
+            active.replay()
+        return _collect(active, row_ids, real, outputs, rows)
+
+    def _compact(self, active: _DecodeState, live: torch.Tensor, smaller: int, row_ids: torch.Tensor):
+        """Move the ``live`` rows of ``active`` to its state of ``smaller`` rows; the rows beyond them repeat a live
+        row, marked finished (they write padding, and ``real`` drops them)."""
+        index = live.nonzero().flatten()
+        count = index.numel()
+        index = torch.cat([index, index[:1].expand(smaller - count)])
+        known = len(active.smaller)
+        compacted = active.compacted(index)
+        self.captures += int(self.cuda_graph) * (len(active.smaller) - known)
+        self.compactions += 1
+        real = torch.arange(smaller, device=index.device) < count
+        compacted.finished |= ~real
+        return compacted, row_ids.index_select(0, index), real
 
     def _prefill(self, state: _DecodeState, input_ids, padding, prompt_len) -> tuple[torch.Tensor, ...]:
         cache_len = padding.shape[1]
@@ -354,6 +424,22 @@ class StaticCacheGenerator:
             self._states[key] = _DecodeState(self.model, backend, batch, params, eos, pad_id, device, self.cuda_graph)
             self.captures += int(self.cuda_graph)
         return self._states[key]
+
+
+def _power_of_two_at_least(value: int) -> int:
+    return 1 << (value - 1).bit_length()
+
+
+def _collect(state: _DecodeState, row_ids, real, outputs, rows: int) -> list[torch.Tensor]:
+    """The outputs so far ``[rows, max_new_tokens]`` (tokens, log-probs, entropies): the first state's first
+    ``rows`` rows are the prompts in order; a smaller state's real rows are written to the prompts they decode."""
+    tensors = (state.out, state.logprobs, state.entropy)
+    if outputs is None:
+        return [tensor[:rows].clone() for tensor in tensors]
+    prompts = row_ids[real]
+    for output, tensor in zip(outputs, tensors):
+        output.index_copy_(0, prompts, tensor[real])
+    return outputs
 
 
 def _trim(rows: list[list[int]], eos: set[int]) -> list[list[int]]:

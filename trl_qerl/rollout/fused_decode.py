@@ -23,6 +23,7 @@ Dropout is not applied: rollouts run with the model in eval mode, where PEFT's L
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Sequence
@@ -255,6 +256,23 @@ class FusedDecoder:
     def reset(self) -> None:
         for tensor in (*self.keys, *self.values):
             tensor.zero_()
+
+    def first_rows(self, batch: int) -> FusedDecoder:
+        """A decoder over the first ``batch`` rows of this one's KV cache (views: no copy, no new memory), sharing
+        its compiled layer. Rows that are still decoding are moved there (`gather_rows`) so that a smaller step
+        carries on without the finished ones."""
+        if not 1 <= batch <= self.keys[0].shape[0]:
+            raise ValueError(f"first_rows({batch}) of a decoder of {self.keys[0].shape[0]} rows")
+        smaller = copy.copy(self)
+        smaller.keys = [tensor[:batch] for tensor in self.keys]
+        smaller.values = [tensor[:batch] for tensor in self.values]
+        return smaller
+
+    def gather_rows(self, index: torch.Tensor) -> None:
+        """Move the cache rows ``index`` (a device tensor; repeats allowed) to rows ``0..len(index)-1``, in order."""
+        rows = index.numel()
+        for tensor in (*self.keys, *self.values):
+            tensor[:rows] = tensor.index_select(0, index)  # index_select copies first: overlaps and repeats are safe
 
     @torch.no_grad()
     def prefill(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
