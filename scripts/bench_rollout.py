@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.noise import NormNoise
 from trl_qerl.quantizer import quantize_model
+from trl_qerl.rollout import fused_decode
 from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
 
 
@@ -177,6 +178,33 @@ def measure(name, make_call, batch, new_tokens, rows, repeat_first=True, count_t
           f"{row['first_call_extra_s']:.1f} |", flush=True)  # fmt: skip
 
 
+def profile_call(call, label, rows):
+    """Host and device time of one whole generator call (prefill, state set-up, first draw, ...) by operator: what a
+    rollout costs besides its decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    wall_ms = 1e3 * (time.perf_counter() - start)
+    averages = prof.key_averages()
+    by_host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:15]
+    by_device = sorted(averages, key=lambda e: -e.self_device_time_total)[:10]
+    print(f"\nprofile of one call, {label}: {wall_ms:.1f} ms wall (under the profiler)")
+    print("| op (by host time) | calls | self host ms | self device ms |\n|---|---|---|---|")
+    for event in by_host:
+        print(f"| {event.key[:80]} | {event.count} | {event.self_cpu_time_total / 1e3:.2f} | "
+              f"{event.self_device_time_total / 1e3:.2f} |")  # fmt: skip
+    for event in by_device:
+        print(f"  device {event.self_device_time_total / 1e3:7.2f} ms {event.count:5d}x {event.key[:100]}")
+    rows.append({"profile_call": label, "wall_ms": wall_ms,
+                 "host": [{"op": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1e3,
+                           "self_device_ms": e.self_device_time_total / 1e3} for e in by_host]})  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b", choices=NAMES)
@@ -196,9 +224,16 @@ def main() -> None:
                         "spread: what rows that finish early still cost)")  # fmt: skip
     parser.add_argument("--prefill", action="store_true",
                         help="also time the prefill alone per batch (what sharing a prompt's prefill could save)")  # fmt: skip
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="profile one prefill-only call (one new token) per engine and batch, host and device")  # fmt: skip
+    parser.add_argument("--lora-reduction-rows", type=int, default=None,
+                        help="set fused_decode.LORA_REDUCTION_ROWS for this process: up to this many rows the "
+                        "compiled step writes LoRA products as fused reductions, above it as matmuls")  # fmt: skip
     parser.add_argument("--json", default=None)
     parser.add_argument("--choices", default=None, help="save the kernel choices made during the run")
     args = parser.parse_args()
+    if args.lora_reduction_rows is not None:
+        fused_decode.LORA_REDUCTION_ROWS = args.lora_reduction_rows  # read when a layer compiles: before any engine
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
 
@@ -231,6 +266,9 @@ def main() -> None:
                     if args.prefill:  # one new token: the prompt's prefill and the first sample, nothing else
                         measure(f"ours ({engine}), {label}, prefill only", ours(generator, batch, args.prompt_tokens,
                                 1, vocab), batch, 1, rows)  # fmt: skip
+                    if args.profile_prefill:
+                        profile_call(ours(generator, batch, args.prompt_tokens, 1, vocab),
+                                     f"{engine}, {label}, batch {batch}, prefill only", rows)  # fmt: skip
                 for batch in args.profile_batches if args.profile else ():
                     ours(generator, batch, args.prompt_tokens, 8, vocab)()
                     profile_step(generator, f"{engine}, {label}, batch {batch}", rows)
