@@ -1,6 +1,8 @@
 """Provenance of one number in BENCHMARKS.md (not project code): does a padded attention mask make a checkpointed
 forward + backward slower? Four layers at Qwen2.5-7B widths, bf16, 8 x 1280 tokens, SDPA. Run on the H200
-2026-12-02: none 140.9 ms, all-ones mask 150.7, one row right-padded 149.1, one row left-padded 158.6."""
+2026-12-02 (steady state, after one warm-up call per case): none 140.9 ms, all-ones mask 150.7, one row
+right-padded 149.1, one row left-padded 158.6. The first call of each case (printed as "first", not yet run on
+the GPU) and a padded mask at new sequence lengths test the remaining lead: a one-off cost per new masked shape."""
 
 import time
 
@@ -15,23 +17,33 @@ with torch.device("cuda"):
 model.gradient_checkpointing_enable()
 model.train()
 model.config.use_cache = False
-ids = torch.randint(3, 1000, (8, 1280), device="cuda")
 
 
-def forward_backward(mask):
+def forward_backward(ids, mask):
     out = model.model(input_ids=ids, attention_mask=mask)
     out.last_hidden_state.float().square().mean().backward()
 
 
+def timed(ids, mask, repeats=1):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        forward_backward(ids, mask)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+ids = torch.randint(3, 1000, (8, 1280), device="cuda")
 right, left = torch.ones_like(ids), torch.ones_like(ids)
 right[0, -80:] = 0
 left[0, :20] = 0
 for name, mask in {"none": None, "ones": torch.ones_like(ids), "right pad one row": right,
                    "left pad one row": left}.items():  # fmt: skip
-    forward_backward(mask)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        forward_backward(mask)
-    torch.cuda.synchronize()
-    print(f"{name}: {(time.perf_counter() - start) / 3 * 1e3:.1f} ms fwd+bwd (4 layers)", flush=True)
+    first = timed(ids, mask)
+    print(f"{name}: {timed(ids, mask, 3):.1f} ms fwd+bwd (4 layers); first {first:.1f} ms", flush=True)
+for length in (1100, 1210, 1333):  # new padded shapes, as real batches bring
+    ids = torch.randint(3, 1000, (8, length), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, -50:] = 0
+    first = timed(ids, mask)
+    print(f"right pad, {length} tokens: first {first:.1f} ms, then {timed(ids, mask, 3):.1f} ms", flush=True)
