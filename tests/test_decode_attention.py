@@ -16,6 +16,7 @@ from _tiny import tiny_model, tiny_nvfp4_lora_model
 from trl_qerl.rollout.decode_attention import (
     MIN_STAT,
     combine_partials,
+    launch_merge,
     launch_partials,
     partials_reference,
     split_kv_attention,
@@ -82,6 +83,23 @@ def test_chunks_past_the_position_are_never_read_and_weigh_nothing():
     assert _relative_error(combine_partials(acc, maxima, sums).reshape(q.shape), clean) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_merge_kernel_equals_the_torch_merge(dtype):
+    """Random partials of 2 rows x 3 KV heads, 5 chunks, GQA group 7 (padded to 16 in the kernel), the last two
+    chunks of the second row empty (max `MIN_STAT`, sum 0): the kernel's output equals `combine_partials`."""
+    generator = torch.Generator().manual_seed(5)
+    batch, kv_heads, splits, group, head_dim = 2, 3, 5, 7, 32
+    acc = torch.randn(batch * kv_heads, splits, group, head_dim, generator=generator)
+    maxima = torch.randn(batch * kv_heads, splits, group, generator=generator) * 4
+    sums = torch.rand(batch * kv_heads, splits, group, generator=generator) + 0.5
+    empty = slice(kv_heads, None), slice(3, None)
+    acc[empty], maxima[empty], sums[empty] = 0.0, MIN_STAT, 0.0
+    expected = combine_partials(acc, maxima, sums).reshape(batch, kv_heads * group, 1, head_dim)
+    out = torch.full((batch, kv_heads * group, 1, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    launch_merge(acc.to(DEVICE), maxima.to(DEVICE), sums.to(DEVICE), out)
+    assert torch.allclose(out.cpu().float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
 def test_a_row_with_every_position_masked_stays_finite():
     """Cannot happen in decode (the current position is always visible), but must not produce NaN: such a row
     averages the values up to the position, as SDPA would over that part of the cache."""
@@ -95,7 +113,8 @@ def test_a_row_with_every_position_masked_stays_finite():
 
 
 def test_the_op_compiles_into_a_graph():
-    """`split_kv_partials` is an opaque op with a fake implementation: a compiled function calls it as it is."""
+    """`split_kv_partials` and `split_kv_attention` are opaque ops with fake implementations: a compiled function
+    calls them as they are."""
     q, keys, values, mask, position = _inputs(2, 4, 2, 64, 16, position=40, dtype=torch.float32, seed=3)
     shapes = [t.shape for t in split_kv_partials(q, keys, values, mask, 0.25, position)]
     compiled = torch.compile(split_kv_attention, fullgraph=True)

@@ -1,4 +1,4 @@
-"""The Triton kernel of `decode_attention` (kept apart: Triton is optional, and only launching needs it)."""
+"""The Triton kernels of `decode_attention` (kept apart: Triton is optional, and only launching needs it)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,50 @@ def _partials_kernel(
     tl.store(acc_ptr + (out + heads)[:, None] * HEAD_DIM + dims[None, :], acc, mask=(heads < GROUP)[:, None])
     tl.store(max_ptr + out + heads, running_max, mask=heads < GROUP)
     tl.store(sum_ptr + out + heads, running_sum, mask=heads < GROUP)
+
+
+@triton.jit
+def _merge_kernel(
+    acc_ptr, max_ptr, sum_ptr, out_ptr, stride_ob, stride_oh,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr,
+):  # fmt: skip
+    row_head = tl.program_id(0)
+    row = row_head // KV_HEADS
+    kv_head = row_head % KV_HEADS
+    heads = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    splits = tl.arange(0, SPLITS_PAD)
+    first = row_head * SPLITS * GROUP
+    stats = first + splits[:, None] * GROUP + heads[None, :]
+    valid = (splits[:, None] < SPLITS) & (heads[None, :] < GROUP)
+    overall = tl.max(tl.load(max_ptr + stats, mask=valid, other=MIN_STAT), 0)
+    numerator = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    denominator = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    for split in range(SPLITS):  # one chunk's [GROUP, HEAD_DIM] at a time: all of them would not fit in registers
+        offsets = first + split * GROUP + heads
+        weight = tl.exp(tl.load(max_ptr + offsets, mask=heads < GROUP, other=MIN_STAT) - overall)
+        denominator += weight * tl.load(sum_ptr + offsets, mask=heads < GROUP, other=0.0)
+        chunk = tl.load(
+            acc_ptr + offsets[:, None] * HEAD_DIM + dims[None, :], mask=(heads < GROUP)[:, None], other=0.0
+        )
+        numerator += weight[:, None] * chunk
+    out = numerator / tl.where(heads < GROUP, denominator, 1.0)[:, None]
+    tl.store(
+        out_ptr + row * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=(heads < GROUP)[:, None],
+    )  # fmt: skip
+
+
+def merge(acc, maxima, sums, out, min_stat: float) -> None:
+    """`decode_attention.launch_merge`: one program per (row x KV head), writing ``out[B, H, 1, D]``."""
+    row_heads, splits, group, head_dim = acc.shape
+    heads = out.shape[1]
+    _merge_kernel[(row_heads,)](
+        acc, maxima, sums, out, out.stride(0), out.stride(1),
+        KV_HEADS=heads // group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), MIN_STAT=min_stat,
+    )  # fmt: skip
 
 
 def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block: int, min_stat: float) -> None:

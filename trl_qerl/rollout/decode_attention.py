@@ -6,12 +6,13 @@ batch 8 that is few CTAs of mostly masked work (cuDNN: ~14.7 µs per 7B layer on
 ~9 % of a decode step). This kernel ("flash-decoding") gives each (row, key/value head, chunk of the cache) its
 own program, folds the key/value head's query heads into one ``tl.dot``, and skips every chunk past the current
 cache position (a device tensor, so the launch is CUDA-graph capturable). Each program writes its partial softmax
-statistics; `combine_partials` (plain torch, which inductor fuses into the next kernel of a compiled layer) merges
-them exactly.
+statistics, and a second kernel (`launch_merge`, one program per row and key/value head) merges them exactly into
+the output. Left to inductor, the merge (`combine_partials`, plain torch: the tests' reference) became three
+reduction kernels costing more than the partials kernel (H200, 2026-12-02).
 
 The result equals SDPA's up to summation order and the bf16 rounding of the probabilities before ``P @ V`` (as in
-flash attention). `split_kv_attention` runs the Triton kernel (`_split_kv_kernel`, imported when first launched;
-on CPU machines in Triton's interpreter, as the tests do); `partials_reference` is the same computation in torch.
+flash attention). `split_kv_attention` runs the Triton kernels (`_split_kv_kernel`, imported when first launched;
+on CPU machines in Triton's interpreter, as the tests do); `partials_reference` is the partials in torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "MIN_STAT",
     "chunk_size",
     "combine_partials",
+    "launch_merge",
     "launch_partials",
     "partials_reference",
     "split_kv_applies",
@@ -76,6 +78,15 @@ def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima,
     launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block=BLOCK, min_stat=MIN_STAT)
 
 
+def launch_merge(acc, maxima, sums, out) -> None:
+    """Merge the partials of `launch_partials` into ``out[B, H, 1, D]`` (any float dtype), in one Triton launch:
+    `combine_partials` in a kernel (in a compiled step inductor writes it as three reductions, ~7 µs per 7B layer at
+    batch 8 on the H200, more than the partials kernel itself)."""
+    from ._split_kv_kernel import merge
+
+    merge(acc, maxima, sums, out, min_stat=MIN_STAT)
+
+
 def triton_available() -> bool:
     """Whether Triton can be imported (it is optional: CPU-only environments may lack it)."""
     return importlib.util.find_spec("triton") is not None
@@ -113,14 +124,23 @@ def _(q, keys, values, mask, scaling, cache_position):
     return q.new_empty(shape, dtype=torch.float32), maxima, torch.empty_like(maxima)
 
 
+@torch.library.custom_op("trl_qerl::split_kv_attention", mutates_args=())
 def split_kv_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
     cache_position: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """``softmax(q·Kᵀ·scaling + mask) @ V`` for ``q[B, H, 1, D]`` over the cache ``[B, KVH, L, D]``, reading only
-    positions ``≤ cache_position[0]``. Returns ``[B, H, 1, D]`` in ``q``'s dtype."""
+    positions ``≤ cache_position[0]``. Returns ``[B, H, 1, D]`` in ``q``'s dtype. Two launches (partials, merge);
+    an opaque op, so a compiled layer calls it as it is."""
     acc, maxima, sums = split_kv_partials(q, keys, values, mask, scaling, cache_position)
-    return combine_partials(acc, maxima, sums).reshape(q.shape).to(q.dtype)
+    out = torch.empty_like(q)
+    launch_merge(acc, maxima, sums, out)
+    return out
+
+
+@split_kv_attention.register_fake
+def _(q, keys, values, mask, scaling, cache_position):
+    return torch.empty_like(q)
 
 
 def combine_partials(acc: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
