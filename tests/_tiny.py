@@ -50,11 +50,17 @@ def tiny_nvfp4_lora_model(dtype: torch.dtype = torch.float32, device: str = "cpu
     from trl_qerl.quantizer import quantize_model
 
     model = get_peft_model(quantize_model(tiny_model("qwen2", dtype=dtype)), nvfp4_lora_config(r=4))
+    return randomize_lora_b(model).to(device).eval()
+
+
+def randomize_lora_b(model, std: float = 0.05):
+    """Draw every LoRA B matrix from N(0, std) in place (PEFT starts them at zero, where an adapter changes
+    nothing and a test of it would pass vacuously); returns ``model``."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.05)
-    return model.to(device).eval()
+                param.normal_(0, std)
+    return model
 
 
 def random_tokens(batch: int = 2, length: int = 9, vocab: int = 128, seed: int = 1) -> torch.Tensor:

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from _tiny import tiny_chat_checkpoint, tiny_model
+from _tiny import randomize_lora_b, tiny_chat_checkpoint, tiny_model
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -46,10 +46,7 @@ def _models():
     base = tiny_model("qwen2", dtype=torch.float32).to(DEVICE)
     nvfp4 = quantize_model(tiny_model("qwen2", dtype=torch.float32)).to(DEVICE)
     with_lora = get_peft_model(quantize_model(tiny_model("llama", dtype=torch.float32)), nvfp4_lora_config(r=4))
-    with torch.no_grad():
-        for name, param in with_lora.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)  # a non-trivial adapter
+    randomize_lora_b(with_lora)
     return {"fp32": base, "nvfp4": nvfp4, "nvfp4+lora": with_lora.to(DEVICE)}
 
 

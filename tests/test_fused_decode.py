@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from _tiny import TINY, tiny_model
+from _tiny import TINY, randomize_lora_b, tiny_model
 from transformers import GemmaConfig, GemmaForCausalLM, MistralConfig, MistralForCausalLM
 
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
@@ -35,11 +35,7 @@ def _model(arch: str, dtype=torch.float32, quantized=True, lora_targets=None):
     if quantized:
         model = quantize_model(model)
     if lora_targets is not None:
-        model = get_peft_model(model, nvfp4_lora_config(model, r=4, target_modules=lora_targets))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.05)  # a non-trivial adapter
+        model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=4, target_modules=lora_targets)))
     return model.eval()
 
 
@@ -203,12 +199,7 @@ def test_seven_b_widths_greedy_for_64_tokens():
 
 
 def _lora(model):
-    model = get_peft_model(model, nvfp4_lora_config(model, r=32))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.01)
-    return model.eval()
+    return randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=32)), std=0.01).eval()
 
 
 def test_lora_reductions_equal_the_lora_products():
