@@ -76,13 +76,21 @@ def spread_eos(vocab: int, rate: float) -> list[int]:
     return ids.tolist()
 
 
-ENGINES = {"model": dict(engine="model", compile=False), "fused": dict(engine="fused", compile=False),
-           "fused+compile": dict(engine="fused", compile=True),
-           "fused+compile+split_kv": dict(engine="fused", compile=True, decode_attention="split_kv"),
-           "fused+compile+pdl": dict(engine="fused", compile=True),
-           "fused+compile+split_kv+pdl": dict(engine="fused", compile=True, decode_attention="split_kv"),
-           "fused+compile+compact": dict(engine="fused", compile=True, compact_finished=True)}  # fmt: skip
-"""``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
+_SDPA, _SPLIT = (
+    dict(decode_attention="sdpa", compact_finished=False),
+    dict(decode_attention="split_kv", compact_finished=False),
+)
+ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
+           "fused": dict(engine="fused", compile=False, **_SDPA),
+           "fused+compile": dict(engine="fused", compile=True, **_SDPA),
+           "fused+compile+split_kv": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+pdl": dict(engine="fused", compile=True, **_SDPA),
+           "fused+compile+split_kv+pdl": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+compact": dict(engine="fused", compile=True, decode_attention="sdpa", compact_finished=True),
+           "default": dict(engine="auto")}  # fmt: skip
+"""Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
+`StaticCacheGenerator`'s defaults (today split-KV attention on CUDA, compaction of steps of 32 rows or more).
+``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
 captures and runs). ``+compact``: rows still decoding move to a smaller step once at most half are left
 (`StaticCacheGenerator(compact_finished=True)`; measure it with ``--eos-rate``)."""
 

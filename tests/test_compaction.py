@@ -9,7 +9,7 @@ import torch
 from _tiny import tiny_model, tiny_nvfp4_lora_model
 
 from trl_qerl.rollout.decoder_spec import read_decoder
-from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+from trl_qerl.rollout.fast import COMPACT_MIN_ROWS, SamplingParams, StaticCacheGenerator
 from trl_qerl.rollout.fused_decode import FusedDecoder
 
 
@@ -129,3 +129,13 @@ def test_compiled_captured_steps_compact_on_cuda():
     captures = compacting.captures
     compacting.sample(PROMPTS, GREEDY, eos, 0)
     assert compacting.captures == captures  # the smaller steps were kept
+
+
+def test_by_default_only_steps_of_many_rows_compact():
+    model = _model()
+    eos = _staggered_eos(model)
+    default = StaticCacheGenerator(model, engine="fused", cuda_graph=False, compile=False, check_every=2)
+    default.sample(PROMPTS, GREEDY, eos, 0)
+    assert default.compactions == 0  # 8 rows: measured not to pay
+    assert [default._compacts(rows) for rows in (8, 16, COMPACT_MIN_ROWS, 64)] == [False, False, True, True]
+    assert not _generator(model, False)._compacts(64) and _generator(model, True)._compacts(2)

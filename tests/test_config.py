@@ -8,6 +8,7 @@ import re
 import warnings
 
 import pytest
+import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
 from trl_qerl.cli import EvalArguments, QeRLScriptArguments, QuantizeArguments
@@ -147,3 +148,12 @@ def test_docstring_names_the_defaults_that_differ_from_grpo_config():
 @pytest.mark.parametrize("cls", [EvalArguments, QuantizeArguments], ids=lambda cls: cls.__name__)
 def test_command_options_have_help(cls):
     assert all(f.metadata.get("help") for f in dataclasses.fields(cls))
+
+
+def test_pad_to_multiple_of_auto_pads_only_on_cuda(tmp_path):
+    from trl_qerl.config import CUDA_PAD_TO_MULTIPLE_OF
+
+    expected = CUDA_PAD_TO_MULTIPLE_OF if torch.cuda.is_available() else None
+    assert QeRLConfig(output_dir=str(tmp_path), report_to=[]).pad_to_multiple_of == expected
+    assert QeRLConfig(output_dir=str(tmp_path), report_to=[], pad_to_multiple_of=32).pad_to_multiple_of == 32
+    assert QeRLConfig(output_dir=str(tmp_path), report_to=[], pad_to_multiple_of="none").pad_to_multiple_of is None

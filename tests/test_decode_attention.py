@@ -160,6 +160,17 @@ def test_split_kv_where_it_cannot_run_logs_once_and_uses_sdpa(monkeypatch, caplo
         StaticCacheGenerator(model, decode_attention="flash")
 
 
+def test_auto_takes_split_kv_on_cuda_and_sdpa_elsewhere_without_a_warning(caplog):
+    from trl_qerl.rollout.decoder_spec import read_decoder
+    from trl_qerl.rollout.fused_decode import FusedDecoder
+
+    model = tiny_model("llama", dtype=torch.bfloat16).to(DEVICE)
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.fused_decode"):
+        decoder = FusedDecoder(read_decoder(model), 2, 32, DEVICE)  # decode_attention="auto"
+    assert decoder.split_kv == CUDA
+    assert not [r for r in caplog.records if "split_kv" in r.message]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_compiled_captured_step_with_split_kv_on_cuda():
     model = tiny_nvfp4_lora_model(torch.bfloat16, DEVICE)

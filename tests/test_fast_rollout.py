@@ -64,6 +64,19 @@ def test_greedy_equals_model_generate(kind):
     assert all(len(row) <= 16 for row in ours)
 
 
+def test_many_eos_ids_end_rows_as_one_does():
+    """Sixty-one EOS ids (sixty the model cannot emit): `torch.isin` would sort with `unique` and break CUDA-graph
+    capture; the rows must end exactly where the one real id ends them (captured on CUDA, eager on CPU)."""
+    model = _models()["nvfp4"].eval()
+    reference = _reference(model, PROMPTS, 16, eos=1)
+    eos = reference[0][3]
+    reference = _reference(model, PROMPTS, 16, eos=eos)
+    generator = StaticCacheGenerator(model, check_every=4)
+    never = list(range(200, 260))  # beyond the 128-token vocabulary
+    ours = generator.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0), [eos, *never], 0)
+    assert ours == reference
+
+
 def test_filters_match_transformers_warpers():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=20, top_p=0.8, min_p=0.05)

@@ -1,8 +1,11 @@
 """Provenance of one number in BENCHMARKS.md (not project code): does a padded attention mask make a checkpointed
 forward + backward slower? Four layers at Qwen2.5-7B widths, bf16, 8 x 1280 tokens, SDPA. Run on the H200
 2026-12-02 (steady state, after one warm-up call per case): none 140.9 ms, all-ones mask 150.7, one row
-right-padded 149.1, one row left-padded 158.6. The first call of each case (printed as "first", not yet run on
-the GPU) and a padded mask at new sequence lengths test the remaining lead: a one-off cost per new masked shape."""
+right-padded 149.1, one row left-padded 158.6. First calls (H200, same day): none 2256.7 ms (the process's first), ones 141.3,
+right-padded 2110.1, left-padded 150.5; a right-padded mask at 1100 / 1210 / 1333 tokens: 2126.2 / 2164.8 / 2741.8 ms
+first, then 131.1 / 142.8 / 161.2 ms. So the early-ended GRPO step's extra ~2 s is a one-off per new masked sequence
+length. The last part (not yet run) asks whether an unmasked new length pays it too, and profiles one such first
+call: where the two seconds go."""
 
 import time
 
@@ -47,3 +50,16 @@ for length in (1100, 1210, 1333):  # new padded shapes, as real batches bring
     mask[0, -50:] = 0
     first = timed(ids, mask)
     print(f"right pad, {length} tokens: first {first:.1f} ms, then {timed(ids, mask, 3):.1f} ms", flush=True)
+for length in (1150, 1270):  # a new length without a mask: is the one-off the mask's or the shape's?
+    ids = torch.randint(3, 1000, (8, length), device="cuda")
+    first = timed(ids, None)
+    print(f"no mask, {length} tokens: first {first:.1f} ms, then {timed(ids, None, 3):.1f} ms", flush=True)
+ids = torch.randint(3, 1000, (8, 1400), device="cuda")
+mask = torch.ones_like(ids)
+mask[0, -50:] = 0
+with torch.profiler.profile(
+    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+) as prof:
+    first = timed(ids, mask)
+print(f"right pad, 1400 tokens, profiled: first {first:.1f} ms", flush=True)
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
