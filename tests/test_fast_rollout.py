@@ -2,6 +2,7 @@
 handling, AQN visibility, compile-once, and the logged fallback."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -158,7 +159,7 @@ def test_bad_sampling_parameters():
 
 
 # -- in the trainer ------------------------------------------------------------------------------------------
-def _trainer(tmp_path, backend):
+def _trainer(tmp_path, backend, **overrides):
     from trl_qerl.config import QeRLConfig
     from trl_qerl.data import tiny_arithmetic_dataset
     from trl_qerl.rewards import completion_text
@@ -170,7 +171,8 @@ def _trainer(tmp_path, backend):
     checkpoint = tiny_chat_checkpoint(tmp_path / "tiny")
     args = QeRLConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, report_to="none", lora_r=4, save_strategy="no", use_cpu=True,
-                      rollout_backend=backend, top_k=10, top_p=0.9, gradient_checkpointing=False)  # fmt: skip
+                      rollout_backend=backend, top_k=10, top_p=0.9, gradient_checkpointing=False,
+                      **overrides)  # fmt: skip
     return QeRLGRPOTrainer(str(checkpoint), reward_funcs=varied, args=args,
                            train_dataset=tiny_arithmetic_dataset("train", limit=8))  # fmt: skip
 
@@ -181,6 +183,22 @@ def test_trainer_trains_with_the_fast_backend(tmp_path):
     trainer.train()
     assert trainer.rollout_backend.disabled_reason is None
     assert trainer.state.log_history[0]["completions/max_length"] <= 8
+
+
+def test_padding_to_a_multiple_trains_as_without_it(tmp_path):
+    """`pad_to_multiple_of="auto"` is 64 on CUDA: completions (and the rollout's own log-probs, which importance
+    sampling reads) are padded past the longest completion. Same seed, same rollouts: the losses must not change."""
+    runs = {}
+    for pad in (None, 16):
+        trainer = _trainer(tmp_path / str(pad), "fast", pad_to_multiple_of=pad, rollout_importance_sampling=True,
+                           logging_steps=1)  # fmt: skip
+        trainer.train()
+        assert trainer.rollout_backend.disabled_reason is None
+        keys = ("loss", "entropy", "sampling/sampling_logp_difference/mean")  # the last reads the rollout's log-probs
+        runs[pad] = [[row[key] for key in keys] for row in trainer.state.log_history if "loss" in row]
+    assert len(runs[16]) == 2 and all(math.isfinite(value) for row in runs[16] for value in row)
+    for padded, plain in zip(runs[16], runs[None]):
+        assert padded == pytest.approx(plain, rel=1e-4, abs=0)
 
 
 def test_fast_backend_falls_back_to_generate_with_a_log(tmp_path, monkeypatch, caplog):
