@@ -29,12 +29,12 @@ from .noise import DEFAULT_TARGETS, SCHEDULES, NoiseSchedule
 
 QUANTIZATIONS = ("nvfp4", "bf16", "nf4", "none")
 ROLLOUT_BACKENDS = ("auto", "transformers", "fast", "vllm")
-# QeRL's LoRA defaults (paper's main tables: rank 32, no dropout, the seven decoder projections; alpha 2 * r).
 CUDA_PAD_TO_MULTIPLE_OF = 64
 """`pad_to_multiple_of="auto"` on CUDA. Measured on the H200 (4 layers at 7B widths, 8 rows, 2026-12-02): the first
-forward + backward at each new padded length takes 2.1-3.1 s, all of it in cuDNN attention's plan building
+forward + backward at each new padded length takes 2.1-3.1 s, nearly all of it in cuDNN attention's plan building
 (`aten::_cudnn_attention_forward` / `_backward`: 0.83 + 1.39 s of host time), against ~0.14 s once built. A multiple
 of 64 bounds the lengths a run sees to 16 per 1,024 completion tokens and adds at most 63 padded tokens a row."""
+# QeRL's LoRA defaults (paper's main tables: rank 32, no dropout, the seven decoder projections; alpha 2 * r).
 LORA_DEFAULTS = {"lora_r": 32, "lora_alpha": None, "lora_dropout": 0.0, "lora_target_modules": None}
 
 
