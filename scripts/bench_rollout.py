@@ -89,7 +89,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+compact": dict(engine="fused", compile=True, decode_attention="sdpa", compact_finished=True),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
-`StaticCacheGenerator`'s defaults (today split-KV attention on CUDA, compaction of steps of 32 rows or more).
+`StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
 captures and runs). ``+compact``: rows still decoding move to a smaller step once at most half are left
 (`StaticCacheGenerator(compact_finished=True)`; measure it with ``--eos-rate``)."""

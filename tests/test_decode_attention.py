@@ -160,15 +160,20 @@ def test_split_kv_where_it_cannot_run_logs_once_and_uses_sdpa(monkeypatch, caplo
         StaticCacheGenerator(model, decode_attention="flash")
 
 
-def test_auto_takes_split_kv_on_cuda_and_sdpa_elsewhere_without_a_warning(caplog):
+def test_auto_takes_split_kv_on_hopper_and_sdpa_elsewhere_without_a_warning(caplog, monkeypatch):
+    from trl_qerl.rollout import fused_decode
     from trl_qerl.rollout.decoder_spec import read_decoder
-    from trl_qerl.rollout.fused_decode import FusedDecoder
 
     model = tiny_model("llama", dtype=torch.bfloat16).to(DEVICE)
     with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.fused_decode"):
-        decoder = FusedDecoder(read_decoder(model), 2, 32, DEVICE)  # decode_attention="auto"
-    assert decoder.split_kv == CUDA
+        decoder = fused_decode.FusedDecoder(read_decoder(model), 2, 32, DEVICE)  # decode_attention="auto"
+    hopper = CUDA and torch.cuda.get_device_capability()[0] == 9
+    assert decoder.split_kv == hopper
     assert not [r for r in caplog.records if "split_kv" in r.message]
+    assert not fused_decode._auto_takes_split_kv(torch.device("cpu"))
+    for capability, expected in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fused_decode._auto_takes_split_kv(torch.device("cuda")) is expected
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

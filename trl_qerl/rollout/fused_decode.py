@@ -53,8 +53,9 @@ def rms_norm(x: torch.Tensor, norm: NormSpec) -> torch.Tensor:
 
 DECODE_ATTENTION = ("auto", "sdpa", "split_kv")
 """Decode attention kernels `FusedDecoder` can use (its ``decode_attention`` argument). ``"auto"`` is ``"split_kv"``
-on CUDA where it applies, else ``"sdpa"``: on the H200 (7B, NVFP4 + LoRA + AQN, 256 + 1024 tokens, 2026-12-02) a
-decode step takes 3.93 / 7.89 ms at batch 8 / 32 with it and 4.46 / 8.03 ms with SDPA (cuDNN reads the whole cache)."""
+on Hopper GPUs where it applies, else ``"sdpa"``: on the H200 (7B, NVFP4 + LoRA + AQN, 256 + 1024 tokens,
+2026-12-02) a decode step takes 3.93 / 7.89 ms at batch 8 / 32 with it and 4.46 / 8.03 ms with SDPA (cuDNN reads the
+whole cache). Other GPUs were not measured, so there "auto" keeps SDPA (``"split_kv"`` still runs where asked)."""
 
 LORA_REDUCTION_ROWS = 16
 """Up to this many rows, a compiled step writes LoRA products as multiply-and-sum reductions (see below). Measured
@@ -205,6 +206,11 @@ def _compiled_layer():
     return torch.compile(decoder_layer, fullgraph=True, options=dict(COMPILE_OPTIONS))
 
 
+def _auto_takes_split_kv(device: torch.device) -> bool:
+    """``decode_attention="auto"``: split-KV where it was measured to win (Hopper, compute capability 9.x)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def _split_kv_runs(spec: DecoderSpec, batch: int, device: torch.device, asked: bool = True) -> bool:
     """Whether the split-KV kernel serves this decoder's decode steps; if not, one log line (SDPA then runs): a
     warning where it was ``asked`` for, information where ``"auto"`` chose it."""
@@ -235,7 +241,7 @@ class FusedDecoder:
         compile: run each decode layer through ``torch.compile`` (one graph for all layers; prefill stays eager).
         decode_attention: ``"sdpa"`` (`F.scaled_dot_product_attention` over the whole cache), ``"split_kv"``
             (`decode_attention.split_kv_attention`: a Triton kernel split over the cache length that reads only
-            the filled positions; CUDA, or Triton's interpreter on CPU) or ``"auto"`` (``"split_kv"`` on CUDA,
+            the filled positions; CUDA, or Triton's interpreter on CPU) or ``"auto"`` (``"split_kv"`` on Hopper,
             ``"sdpa"`` elsewhere; see `DECODE_ATTENTION`). Where ``"split_kv"`` cannot run, one log line and SDPA.
     """
 
@@ -258,7 +264,7 @@ class FusedDecoder:
         self.mask_dtype = spec.dtype
         device = torch.device(device)
         if decode_attention == "auto":
-            self.split_kv = device.type == "cuda" and _split_kv_runs(spec, batch, device, asked=False)
+            self.split_kv = _auto_takes_split_kv(device) and _split_kv_runs(spec, batch, device, asked=False)
         else:
             self.split_kv = decode_attention == "split_kv" and _split_kv_runs(spec, batch, device)
         self._decode_layer = _compiled_layer() if compile else decoder_layer
