@@ -1,8 +1,8 @@
 """Provenance of one number in BENCHMARKS.md (not project code): does a padded attention mask make a checkpointed
 forward + backward slower? Four layers at Qwen2.5-7B widths, bf16, 8 x 1280 tokens, SDPA. Run on the H200
 2026-12-02 (steady state, after one warm-up call per case): none 140.9 ms, all-ones mask 150.7, one row
-right-padded 149.1, one row left-padded 158.6. First calls (H200, same day): none 2256.7 ms (the process's first), ones 141.3,
-right-padded 2110.1, left-padded 150.5; a right-padded mask at 1100 / 1210 / 1333 tokens: 2126.2 / 2164.8 / 2741.8 ms
+right-padded 149.1, one row left-padded 158.6. First calls (H200, same day): none 2256.7 ms (the process's first),
+ones 141.3, right-padded 2110.1, left-padded 150.5; a right-padded mask at 1100 / 1210 / 1333 tokens: 2126.2 / 2164.8 / 2741.8 ms
 first, then 131.1 / 142.8 / 161.2 ms. So the early-ended GRPO step's extra ~2 s is a one-off per new masked sequence
 length. Second run (same day, `probe_padded_mask_2026-12-02b.txt`): an unmasked new length pays it too (1150 tokens:
 1781.5 ms first), and under the profiler 2.22 s of a 2.35 s first call is host time in cuDNN attention's forward and

@@ -236,9 +236,9 @@ class StaticCacheGenerator:
             `StaticCache` ("sdpa" or "eager" attention); ``"auto"`` (default) takes "fused" where it applies and
             logs why not otherwise.
         compile: run the fused step's layers through ``torch.compile`` (default: on CUDA).
-        decode_attention: the fused step's decode attention: ``"auto"`` (default: ``"split_kv"`` on Hopper GPUs, where
-            it was measured, else ``"sdpa"``), ``"sdpa"`` or ``"split_kv"`` (a Triton kernel that reads the cache only up to the current
-            position; see `FusedDecoder`).
+        decode_attention: the fused step's decode attention: ``"auto"`` (default: ``"split_kv"`` on Hopper GPUs,
+            where it was measured, else ``"sdpa"``), ``"sdpa"`` or ``"split_kv"`` (a Triton kernel that reads the
+            cache only up to the current position; see `FusedDecoder`).
         compact_finished: when at most half of the rows are still decoding (checked every ``check_every`` steps,
             with at least ``2 * check_every`` steps left), move them to a smaller step (a power of two of rows,
             over the first rows of the same KV cache; each size captured once and kept) so finished rows stop

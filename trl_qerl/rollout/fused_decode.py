@@ -263,10 +263,9 @@ class FusedDecoder:
         self.values = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in spec.layers]
         self.mask_dtype = spec.dtype
         device = torch.device(device)
-        if decode_attention == "auto":
-            self.split_kv = _auto_takes_split_kv(device) and _split_kv_runs(spec, batch, device, asked=False)
-        else:
-            self.split_kv = decode_attention == "split_kv" and _split_kv_runs(spec, batch, device)
+        asked = decode_attention == "split_kv"
+        wanted = asked or (decode_attention == "auto" and _auto_takes_split_kv(device))
+        self.split_kv = wanted and _split_kv_runs(spec, batch, device, asked=asked)
         self._decode_layer = _compiled_layer() if compile else decoder_layer
 
     def reset(self) -> None:
