@@ -15,10 +15,10 @@ import ctypes
 import logging
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
+from _sass import cuobjdump, main_loop
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error
@@ -78,40 +78,13 @@ def test_kernel_cross_compiles_for_each_target(arch):
             assert cubin[:4] == b"\x7fELF" and name.startswith("_Z16nvfp4_mma_kernel")
 
 
-def _cuobjdump() -> str | None:
-    import shutil
-
-    try:
-        import triton
-    except ImportError:
-        return shutil.which("cuobjdump")
-    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(bundled) if bundled.exists() else shutil.which("cuobjdump")
-
-
-def main_loop(sass: str) -> list[str]:
-    """Opcodes of the innermost loop that holds MMAs: from a backward branch's target to the branch."""
-    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    opcode = [(address, text.split()[1] if text.startswith("@") else text.split()[0]) for address, text in lines]
-    loops = []
-    for i, (address, text) in enumerate(lines):
-        target = re.search(r"BRA\s+(?:`?\(?)(0x[0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address:
-            start = int(target.group(1), 16)
-            body = [op for a, op in opcode if start <= a <= address]
-            if any(op.startswith("HMMA") for op in body):
-                loops.append(body)
-    assert loops, "no loop with MMAs found"
-    return min(loops, key=len)
-
-
 @needs_nvrtc
-@pytest.mark.skipif(_cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 @pytest.mark.parametrize("config", BUILD_CONFIGS[:2], ids=str)
 def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):
     cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(torch.bfloat16), "sm_90")
     (tmp_path / "k.cubin").write_bytes(cubin)
-    sass = subprocess.run([_cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
+    sass = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
     loop = main_loop(sass)
     forbidden = [op for op in loop if op.split(".")[0] in ("LDS", "STS", "LDSM", "BAR", "SHFL", "LDL", "STL")]
     assert not forbidden, f"shared/local memory or shuffles on the weight path: {forbidden}"
@@ -123,7 +96,7 @@ def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):
 
 
 @needs_nvrtc
-@pytest.mark.skipif(_cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 @pytest.mark.parametrize("config", BUILD_CONFIGS[:2], ids=str)
 def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(tmp_path, config):
     """Programmatic Dependent Launch: before ``griddepcontrol.wait`` (SASS ``ACQBULK``) a CTA may load only what no
@@ -133,11 +106,11 @@ def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(
     name = config.name_expression(torch.bfloat16)
     default, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90")
     (tmp_path / "default.cubin").write_bytes(default)
-    plain = subprocess.run([_cuobjdump(), "-sass", str(tmp_path / "default.cubin")], capture_output=True, text=True)
+    plain = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "default.cubin")], capture_output=True, text=True)
     assert "ACQBULK" not in plain.stdout and "PREEXIT" not in plain.stdout and "HMMA" in plain.stdout
     cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", cuda_mma.PDL_BUILD)
     (tmp_path / "k.cubin").write_bytes(cubin)
-    sass = subprocess.run([_cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
+    sass = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
     ops = [text.split()[1] if text.startswith("@") else text.split()[0]
            for text in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]  # fmt: skip
     assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1

@@ -153,6 +153,12 @@ def test_kernel_choice_helpers(tmp_path):
     assert decode and all(isinstance(c, K.FusedConfig) and c.block_m in (1, 16) for c in decode)
     assert any(c.gemv for c in decode) and not any(c.gemv for c in K.candidate_configs(2, 37888, 3584))
     assert K.DEQUANT_CUBLAS in K.candidate_configs(4096, 3584, 3584)
+    # from 256 rows: small groups (q/k/v) dequantised into one buffer, big weights in bounded 32 MB chunks
+    assert K.chunked_candidates(128, 37888, 3584) == []
+    assert K.chunked_candidates(256, 37888, 3584) == [K.DequantChunks(32)]
+    assert K.chunked_candidates(1024, 4608, 3584, group=True) == [K.DequantChunks(0)]
+    assert K.chunked_candidates(1024, 37888, 3584, group=True) == [K.DequantChunks(32)]
+    assert K.DequantChunks(32).chunk_rows(37888, 3584) == 4608 and K.DequantChunks(0).chunk_rows(4608, 3584) == 4608
     narrow = K.heuristic_config(1, 3584, 18944, num_sms=132)
     assert narrow.split_k > 1  # few output blocks: split K to fill the GPU
     assert K.heuristic_config(1, 37888, 3584, num_sms=132).split_k == 1
@@ -201,6 +207,25 @@ def test_chosen_kernel_is_correct(shape, m):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     _poison_allocator()
     _check(torch.ops.trl_qerl.nvfp4_linear(x, *quantized), _reference(x, quantized))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_in_chunks_matches_the_reference(dtype):
+    """One weight, and a group whose chunks span two weights (q/k/v-like, biases on two of three), chunk sizes that
+    do and do not divide the rows, and one buffer for the whole group."""
+    single = [_weight(1000, 1024, seed=1)]
+    group = [_weight(n, 1024, seed=n) for n in (700, 200, 200)]
+    biases = [torch.randn(700, device="cuda"), None, torch.randn(200, device="cuda")]
+    x = torch.randn(300, 1024, device="cuda").to(dtype)
+    for chunk in (K.DequantChunks(1), K.DequantChunks(0)):  # 1 MB: 512 rows a chunk
+        _poison_allocator()
+        _check(K.dequantize_in_chunks(x, single, [None], chunk), _reference(x, single[0]))
+        expected = torch.cat(
+            [_reference(x, w) + (b.double() if b is not None else 0) for w, b in zip(group, biases)], 1
+        )
+        _poison_allocator()
+        _check(K.dequantize_in_chunks(x, group, biases, chunk), expected)
 
 
 @needs_cuda

@@ -1,10 +1,14 @@
-"""Launcher of the CUDA NVFP4 decode kernel (`csrc/nvfp4_mma.cu`): few activation rows, one launch per projection
-or per group of projections that read the same input (q/k/v, gate/up), weights in place.
+"""Launchers of the CUDA NVFP4 kernels (`csrc/nvfp4_mma.cu`), one launch per projection or per group of projections
+that read the same input (q/k/v, gate/up), weights read in place:
 
-The kernel is compiled per template instance (`MMAConfig`) by NVRTC (`trl_qerl.nvfp4.nvrtc`) the first time a
-device uses it. It needs compute capability 8.0 (``mma.sync`` m16n8k16 in bf16 and fp16), ``K % 32 == 0`` and
-16-byte aligned rows (`supports`); `trl_qerl.nvfp4.kernels` chooses it, or the Triton kernels where it does not
-apply or fails to build.
+* the decode kernel (`MMAConfig`, `matmul`): few activation rows, each warp loads its tokens' activations itself;
+* the tiled kernel (`TileConfig`, `tile_matmul`): 16 to a few hundred rows, a CTA stages each block of activations
+  in shared memory once (cp.async pipeline) and its warps, each with its own weight rows, reuse it.
+
+Each kernel is compiled per template instance by NVRTC (`trl_qerl.nvfp4.nvrtc`) the first time a device uses it.
+Both need compute capability 8.0 (``mma.sync`` m16n8k16 in bf16 and fp16), ``K % 32 == 0`` and 16-byte aligned
+rows (`supports`; the tiled kernel also ``K % 128 == 0``, `supports_tile`); `trl_qerl.nvfp4.kernels` chooses among
+them and the Triton kernels, which serve where they do not apply or fail to build.
 """
 
 from __future__ import annotations
@@ -120,11 +124,31 @@ def supports(x: torch.Tensor, weights: Sequence[Weight]) -> bool:
     return True
 
 
-def kernel(config: MMAConfig, dtype: torch.dtype, device: torch.device, options: tuple[str, ...] = ()):
-    """The compiled instance for ``device`` (raises `nvrtc.NVRTCError` if it cannot be built or loaded).
-    ``options`` are extra NVRTC flags, e.g. the source's ``-DNVFP4_DEPTH=2`` switches (for benchmarks)."""
+def kernel(config: MMAConfig | TileConfig | str, dtype: torch.dtype, device: torch.device,
+           options: tuple[str, ...] = ()):  # fmt: skip
+    """The compiled instance for ``device`` (raises `nvrtc.NVRTCError` if it cannot be built or loaded): a config's
+    kernel, or a name expression of the source. ``options`` are extra NVRTC flags, e.g. the source's
+    ``-DNVFP4_DEPTH=2`` switches (for benchmarks)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return nvrtc.CudaKernel.get(source(), config.name_expression(dtype), index, tuple(options))
+    name = config if isinstance(config, str) else config.name_expression(dtype)
+    return nvrtc.CudaKernel.get(source(), name, index, tuple(options))
+
+
+def _segments(weights: Sequence[Weight], biases: Sequence[torch.Tensor | None], rows_per_tile: int):
+    """(`_Segments` of the weights, number of row tiles of ``rows_per_tile``, total rows)."""
+    segments = _Segments()
+    tiles = col = 0
+    for i, ((packed, scale, global_scale), bias) in enumerate(zip(weights, biases)):
+        rows = packed.shape[0]
+        segments.packed[i], segments.scales[i] = packed.data_ptr(), scale.data_ptr()
+        segments.global_scale[i] = global_scale.data_ptr()
+        segments.bias[i] = bias.data_ptr() if bias is not None else None
+        segments.rows[i], segments.col_start[i], segments.tile_start[i] = rows, col, tiles
+        tiles += -(-rows // rows_per_tile)
+        col += rows
+    segments.tile_start[len(weights)] = tiles
+    segments.count = len(weights)
+    return segments, tiles, col
 
 
 def matmul(
@@ -140,21 +164,9 @@ def matmul(
     Callers check `supports` first. ``biases`` (one per weight, or None) are in ``x.dtype``."""
     m, k = x.shape
     biases = list(biases) if biases is not None else [None] * len(weights)
-    total = sum(packed.shape[0] for packed, _, _ in weights)
+    segments, tiles, total = _segments(weights, biases, config.rows)
     if out is None:
         out = torch.empty(m, total, device=x.device, dtype=x.dtype)
-    segments = _Segments()
-    tiles = col = 0
-    for i, ((packed, scale, global_scale), bias) in enumerate(zip(weights, biases)):
-        rows = packed.shape[0]
-        segments.packed[i], segments.scales[i] = packed.data_ptr(), scale.data_ptr()
-        segments.global_scale[i] = global_scale.data_ptr()
-        segments.bias[i] = bias.data_ptr() if bias is not None else None
-        segments.rows[i], segments.col_start[i], segments.tile_start[i] = rows, col, tiles
-        tiles += -(-rows // config.rows)
-        col += rows
-    segments.tile_start[len(weights)] = tiles
-    segments.count = len(weights)
     grid = (-(-m // config.tokens), tiles, 1)
     args = [
         ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
@@ -204,3 +216,131 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int) -> MMAConfig:
     while kw < 8 and tiles * kw < 16 * num_sms and blocks >= 8 * kw and valid_config(mt, nt, 2 * kw):
         kw *= 2
     return MMAConfig(mt, nt, kw)
+
+
+# -- the tiled kernel -----------------------------------------------------------------------------------------
+_REDUCE_THREADS = 256
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One instance of the tiled kernel: ``warps`` warps per CTA, each owning ``m_tiles`` x 16 weight rows,
+    ``n_tiles`` x 8 tokens per CTA staged in shared memory, ``stages`` 128-column blocks in flight, and K split
+    over ``split_k`` CTAs (their fp32 partial sums added by a second launch)."""
+
+    m_tiles: int
+    n_tiles: int
+    warps: int
+    stages: int
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if (
+            self.m_tiles not in (1, 2, 4)
+            or self.n_tiles not in (1, 2, 4, 8)
+            or self.warps not in (1, 2, 4, 8, 16)
+            or self.stages not in (2, 3, 4, 5, 6)
+            or self.split_k < 1
+        ):
+            raise ValueError(f"unsupported TileConfig {self}")
+
+    @property
+    def rows(self) -> int:
+        return ROWS_PER_M_TILE * self.m_tiles * self.warps
+
+    @property
+    def tokens(self) -> int:
+        return TOKENS_PER_N_TILE * self.n_tiles
+
+    @property
+    def stage_bytes(self) -> int:
+        """``TileLayout::STAGE`` in csrc/nvfp4_mma.cu: codes (64 B), scales (8 B) per row, 256 B per token."""
+        return self.rows * 72 + self.tokens * 256
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        """Dynamic shared memory of one CTA: the stages, or the epilogue's output tile if that is larger."""
+        epilogue = self.tokens * (self.rows + 8) * 2 if self.split_k == 1 else self.tokens * (self.rows + 4) * 4
+        return max(self.stages * self.stage_bytes, epilogue)
+
+    def name_expression(self, dtype: torch.dtype) -> str:
+        bf16 = "true" if dtype == torch.bfloat16 else "false"
+        return f"nvfp4_tile_kernel<{self.m_tiles}, {self.n_tiles}, {self.warps}, {self.stages}, {bf16}>"
+
+    def __str__(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"tile {self.rows}r x {self.tokens}t w{self.warps} s{self.stages}{split}"
+
+
+def supports_tile(x: torch.Tensor, weights: Sequence[Weight]) -> bool:
+    """`supports` and what the tiled kernel's 128-column cp.async blocks need: ``K % 128 == 0`` and scale rows
+    aligned to 8 bytes."""
+    return supports(x, weights) and x.shape[1] % 128 == 0 and all(scale.data_ptr() % 8 == 0 for _, scale, _ in weights)
+
+
+def tile_matmul(
+    x: torch.Tensor,
+    weights: Sequence[Weight],
+    config: TileConfig,
+    biases: Sequence[torch.Tensor | None] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`matmul` with the tiled kernel (plus, when ``config.split_k > 1``, one launch that adds the partial sums).
+
+    Callers check `supports_tile` first."""
+    m, k = x.shape
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    segments, tiles, total = _segments(weights, biases, config.rows)
+    if out is None:
+        out = torch.empty(m, total, device=x.device, dtype=x.dtype)
+    split = min(config.split_k, k // 128)
+    partial = torch.empty(split, m, out.stride(0), device=x.device, dtype=torch.float32) if split > 1 else None
+    args = [
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
+        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)),
+        ctypes.c_void_p(partial.data_ptr() if partial is not None else None), segments,
+    ]  # fmt: skip
+    build = kernel(config, x.dtype, x.device)
+    grid = (-(-m // config.tokens), tiles, split)
+    build.launch(grid, (32 * config.warps, 1, 1), args, shared_memory=config.shared_memory_bytes)
+    if partial is not None:
+        reduce = kernel(_reduce_name(x.dtype), x.dtype, x.device)
+        reduce_args = [
+            ctypes.c_void_p(partial.data_ptr()), ctypes.c_int(split), ctypes.c_int(m), ctypes.c_int(total),
+            ctypes.c_int(out.stride(0)), ctypes.c_void_p(out.data_ptr()),
+        ]  # fmt: skip
+        reduce.launch((-(-m * total // _REDUCE_THREADS), 1, 1), (_REDUCE_THREADS, 1, 1), reduce_args)
+    return out
+
+
+def _reduce_name(dtype: torch.dtype) -> str:
+    return f"nvfp4_split_reduce_kernel<{'true' if dtype == torch.bfloat16 else 'false'}>"
+
+
+def tile_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
+                           shared_memory_limit: int = 227 * 1024) -> list[TileConfig]:  # fmt: skip
+    """Instances worth timing for ``m`` rows (a CTA column takes at most 64 tokens), ``n`` weight rows and ``k``
+    columns: 64 or 128 weight rows per CTA, two or four m tiles per warp, accumulators in registers (at most 16 m x
+    n tiles per warp: 64 fp32 registers), the deepest pipeline that fits twice in a multiprocessor's shared memory,
+    and a K split where the row and token tiles alone would not fill the GPU. Measured on the H200 (7B shapes,
+    2026-12-02) and left out: one m tile per warp (each activation fragment then feeds a single MMA pair) and
+    256-row CTAs (one CTA per multiprocessor): never the fastest, 1.2-2.5x the best candidate."""
+    tokens = min(max(m, 1), 64)
+    nt = next(nt for nt in (1, 2, 4, 8) if 8 * nt >= tokens)
+    blocks = k // 128
+    configs = []
+    for mt, warps in ((2, 2), (2, 4), (4, 2)):
+        if mt * nt > 16:
+            continue
+        fitting = [
+            s for s in (6, 4, 3, 2) if 2 * TileConfig(mt, nt, warps, s).shared_memory_bytes <= shared_memory_limit
+        ]
+        if not fitting:
+            continue
+        probe = TileConfig(mt, nt, warps, fitting[0])
+        ctas = -(-n // probe.rows) * -(-m // probe.tokens)
+        split = 1
+        while ctas * split < num_sms and blocks >= 16 * split:
+            split *= 2
+        configs += [probe] + ([TileConfig(mt, nt, warps, fitting[0], split)] if split > 1 else [])
+    return configs

@@ -9,6 +9,8 @@ Kernels:
 * the CUDA decode kernel (`cuda_mma`, source `csrc/nvfp4_mma.cu`, compiled at run time by NVRTC, sm_80+): few
   activation rows, weights read once and dequantised in registers, ``mma.sync`` tensor-core products, split-K
   inside the CTA (one launch), up to three weights per launch;
+* the CUDA tiled kernel (same source and launcher, `cuda_mma.TileConfig`): 16 to a few hundred rows, activations
+  staged in shared memory once per CTA through a cp.async pipeline and reused by every warp's weight rows;
 * `_nvfp4_matmul_kernel` (Triton): ``out = x @ dequant(W).T`` with the packed E2M1 weights and FP8 block scales
   read once and dequantised in registers, fp32 accumulation, the global scale applied in the epilogue. It computes
   the transposed product ``W_tile @ x_tile.T`` so that the weight tile is the register-side MMA operand and a
@@ -45,7 +47,7 @@ import triton
 import triton.language as tl
 
 from . import cuda_mma, nvrtc
-from .cuda_mma import MMAConfig
+from .cuda_mma import MMAConfig, TileConfig
 from .format import dequantize
 
 
@@ -556,11 +558,11 @@ def _launch_matmul(x, weight_packed, weight_scale, weight_global_scale, target, 
     )  # fmt: skip
 
 
-def dequantize_cuda(weight_packed, weight_scale, weight_global_scale, dtype=torch.bfloat16, use_asm=None):
+def dequantize_cuda(weight_packed, weight_scale, weight_global_scale, dtype=torch.bfloat16, use_asm=None, out=None):
     """Dense ``[N, K]`` weight on the GPU, bit-identical to `format.dequantize` (``weight_scale`` as in
-    `fused_matmul`)."""
+    `fused_matmul`), written into ``out`` (contiguous ``[N, K]``) if given."""
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
-    out = torch.empty(n, k, device=weight_packed.device, dtype=dtype)
+    out = torch.empty(n, k, device=weight_packed.device, dtype=dtype) if out is None else out
     block_n, block_k = 16, 256
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     weight_scale, use_asm = _launch_settings(weight_packed.device, weight_scale, use_asm)
@@ -575,12 +577,67 @@ def _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
     return torch.nn.functional.linear(x, dequantize_cuda(weight_packed, weight_scale, weight_global_scale, x.dtype))
 
 
+@dataclass(frozen=True)
+class DequantChunks:
+    """Dequantise the rows of one weight, or of a group read by the same activations (q/k/v, gate/up), ``chunk_mb``
+    MB of 16-bit rows at a time into one reused buffer and multiply each chunk with cuBLAS straight into its columns
+    of the output. A chunk small enough for L2 is read back from there instead of making a round trip through HBM;
+    ``chunk_mb=0`` dequantises all rows at once (one cuBLAS call for a whole group)."""
+
+    chunk_mb: int
+
+    def chunk_rows(self, total_rows: int, k: int) -> int:
+        if self.chunk_mb == 0:
+            return total_rows
+        return max(128, (self.chunk_mb << 20) // (2 * k) // 128 * 128)
+
+    def __str__(self) -> str:
+        return f"dequantize+cublas {self.chunk_mb} MB chunks" if self.chunk_mb else "dequantize all+cublas"
+
+
+def dequantize_in_chunks(x: torch.Tensor, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None],
+                         chunk: DequantChunks) -> torch.Tensor:  # fmt: skip
+    """``cat([x @ dequant(W_i).T + b_i], dim=1)`` by `DequantChunks`: a chunk may span two weights of a group."""
+    m, k = x.shape
+    sizes = [packed.shape[0] for packed, _, _ in weights]
+    total = sum(sizes)
+    rows = min(total, chunk.chunk_rows(total, k))
+    out = torch.empty(m, total, device=x.device, dtype=x.dtype)
+    buffer = torch.empty(rows, k, device=x.device, dtype=x.dtype)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    for begin in range(0, total, rows):
+        end = min(total, begin + rows)
+        for start, size, (packed, scale, global_scale) in zip(starts, sizes, weights):
+            lo, hi = max(begin, start), min(end, start + size)
+            if lo < hi:  # rows lo..hi of the group are rows lo - start.. of this weight
+                part = slice(lo - start, hi - start)
+                dequantize_cuda(packed[part], scale[part], global_scale, x.dtype, out=buffer[lo - begin : hi - begin])
+        torch.mm(x, buffer[: end - begin].T, out=out[:, begin:end])
+    for start, size, bias in zip(starts, sizes, biases):
+        if bias is not None:
+            out[:, start : start + size] += bias.to(out.dtype)
+    return out
+
+
 # -- choosing a kernel ----------------------------------------------------------------------------------------
-Choice = FusedConfig | MMAConfig | str
-"""A Triton tile (`FusedConfig`), an instance of the CUDA decode kernel (`MMAConfig`) or `DEQUANT_CUBLAS`."""
+Choice = FusedConfig | MMAConfig | TileConfig | DequantChunks | str
+"""A Triton tile (`FusedConfig`), an instance of the CUDA decode kernel (`MMAConfig`) or of the CUDA tiled kernel
+(`TileConfig`), a chunked dequantise+cuBLAS (`DequantChunks`), or `DEQUANT_CUBLAS`."""
 
 MMA_MAX_ROWS = 512
 """Row counts up to which the CUDA decode kernel is a candidate (it re-reads the weights for every 64 rows)."""
+TILE_ROWS = (16, 1024)
+"""Row counts (buckets) for which the CUDA tiled kernel is a candidate."""
+
+
+def tile_candidates(bucket: int, n: int, k: int, device: torch.device | None, num_sms: int) -> list[TileConfig]:
+    """The tiled kernel's instances for this bucket, sized to ``device``'s shared memory (CPU: Hopper's)."""
+    if not TILE_ROWS[0] <= bucket <= TILE_ROWS[1] or k % 128:
+        return []
+    limit = 227 * 1024
+    if device is not None and device.type == "cuda":
+        limit = nvrtc.max_shared_memory_per_block(_device_index(device))
+    return cuda_mma.tile_candidate_configs(bucket, n, k, num_sms, limit)
 
 
 def m_bucket(m: int) -> int:
@@ -591,15 +648,18 @@ def m_bucket(m: int) -> int:
     return min(max(16, 1 << max(0, (m - 1).bit_length())), 8192)
 
 
-def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, mma: bool = False) -> list[Choice]:
-    """Configurations worth timing for this shape: the CUDA decode kernel's instances (``mma``: where it applies),
-    fused Triton tiles (with split-K for decode), GEMVs for one row, and, above 16 rows, dequantise+cuBLAS."""
+def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, mma: bool = False,
+                      device: torch.device | None = None) -> list[Choice]:  # fmt: skip
+    """Configurations worth timing for this shape: the CUDA kernels' instances (``mma``: where they apply; the
+    tiled kernel from 16 rows), fused Triton tiles (with split-K for decode), GEMVs for one row, and, above 16
+    rows, dequantise+cuBLAS."""
     bucket = m_bucket(m)
     decode = cuda_mma.candidate_configs(bucket, n, k) if mma and bucket <= MMA_MAX_ROWS else []
+    decode += tile_candidates(bucket, n, k, device, num_sms) if mma else []
     if bucket > 64:
         tiles = [(64, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8), (256, 128, 64, 8)]
         fused = [FusedConfig(bm, bn, bk, 1, warps, 3) for bm, bn, bk, warps in tiles if bm <= bucket]
-        return [*decode, *fused, DEQUANT_CUBLAS]
+        return [*decode, *fused, DEQUANT_CUBLAS, *chunked_candidates(bucket, n, k)]
 
     def splits(block_n, block_k, exact):
         for split in (1, 2, 4, 8):
@@ -618,6 +678,22 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, mma: bool = Fa
             for split in splits(block_n, block_k, exact=True):
                 candidates.append(FusedConfig(1, block_n, block_k, split, 4, 1, gemv=True))
     return candidates + ([DEQUANT_CUBLAS] if bucket > 16 else [])
+
+
+CHUNK_MB = 32
+"""Rows dequantised per cuBLAS call by the bounded `DequantChunks` (measured on the H200, 7B shapes, 2026-12-02:
+32 MB chunks cost 0-7 % against one dequantised copy of the whole weight, 16 MB up to 1.4x and 8 MB up to 2.2x:
+cuBLAS products with few output columns written into a wider output are slow)."""
+
+
+def chunked_candidates(bucket: int, n: int, k: int, group: bool = False) -> list[DequantChunks]:
+    """`DequantChunks` worth timing from 256 rows on: a group dequantised into one buffer (one cuBLAS call instead
+    of one per weight) while that buffer is at most 64 MB, and `CHUNK_MB` chunks for weights over twice that size
+    (a bounded temporary instead of a 16-bit copy of the whole layer)."""
+    if bucket < 256:
+        return []
+    whole = [DequantChunks(0)] if group and 2 * n * k <= 64 << 20 else []
+    return whole + ([DequantChunks(CHUNK_MB)] if 2 * n * k >= 2 * (CHUNK_MB << 20) else [])
 
 
 def heuristic_config(m: int, n: int, k: int, num_sms: int, mma: bool = False) -> Choice:
@@ -669,6 +745,8 @@ class KernelChooser:
     def __init__(self, autotune: bool | None = None) -> None:
         self.autotune = os.environ.get("NVFP4_AUTOTUNE", "1") != "0" if autotune is None else autotune
         self.choices: dict[str, Choice] = {}
+        self.timings: dict[str, dict[str, float]] = {}
+        """Milliseconds of every candidate timed in this process, per key (for benchmarks and notes)."""
 
     @staticmethod
     def key(x: torch.Tensor, n: int, k: int, group: int = 1) -> str:
@@ -681,20 +759,23 @@ class KernelChooser:
         m, k = x.shape
         n = weight_packed.shape[0]
         key = self.key(x, n, k)
-        mma = mma_usable(x, [(weight_packed, weight_scale, weight_global_scale)])
+        weights = [(weight_packed, weight_scale, weight_global_scale)]
+        mma = mma_usable(x, weights)
         known = self.choices.get(key)
-        if known is not None and (mma or not isinstance(known, MMAConfig)):
+        if known is not None and _applies(known, x, weights, mma):
             return known
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        # (a decode-kernel choice that this call cannot use, e.g. misaligned rows, stays for the calls that can)
+        # (a CUDA-kernel choice that this call cannot use, e.g. misaligned rows, stays for the calls that can)
         if not self.autotune or torch.cuda.is_current_stream_capturing() or known is not None:
             return heuristic_config(m, n, k, num_sms, mma)
-        self.choices[key] = self._fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms, mma)
+        timings = self.timings.setdefault(key, {})
+        self.choices[key] = self._fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms, mma, timings)
         return self.choices[key]
 
-    def choose_group(self, x, weights: Sequence[cuda_mma.Weight]) -> MMAConfig | str:
-        """One launch of the decode kernel over ``weights`` (an `MMAConfig`) or `SEPARATE` products, whichever is
-        faster (callers check `mma_usable`)."""
+    def choose_group(self, x, weights: Sequence[cuda_mma.Weight]) -> MMAConfig | TileConfig | DequantChunks | str:
+        """One launch of a CUDA kernel over ``weights`` (an `MMAConfig` or a `TileConfig`), the group dequantised
+        into one buffer (`DequantChunks`) or `SEPARATE` products, whichever is faster (callers check
+        `mma_usable`)."""
         m, k = x.shape
         n = sum(w[0].shape[0] for w in weights)
         key = self.key(x, n, k, len(weights))
@@ -707,20 +788,28 @@ class KernelChooser:
         probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
         configs = cuda_mma.candidate_configs(rows, n, k) if rows <= MMA_MAX_ROWS else []
         calls = {c: functools.partial(cuda_mma.matmul, probe, weights, c) for c in configs}
+        if cuda_mma.supports_tile(probe, weights):
+            num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            for config in tile_candidates(m_bucket(rows), n, k, x.device, num_sms):
+                calls[config] = functools.partial(cuda_mma.tile_matmul, probe, weights, config)
+        for chunk in chunked_candidates(m_bucket(rows), n, k, group=True):
+            calls[chunk] = functools.partial(dequantize_in_chunks, probe, weights, [None] * len(weights), chunk)
         calls[SEPARATE] = functools.partial(_separate_products, probe, weights, [None] * len(weights))
-        self.choices[key] = _fastest_call(calls) or SEPARATE
+        self.choices[key] = _fastest_call(calls, self.timings.setdefault(key, {})) or SEPARATE
         return self.choices[key]
 
     @staticmethod
-    def _fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms, mma):
+    def _fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms, mma, timings=None):
         n, k = weight_packed.shape[0], x.shape[1]
         rows = min(x.shape[0], 8192) if x.shape[0] > 64 else m_bucket(x.shape[0])
         probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
+        weights = [(weight_packed, weight_scale, weight_global_scale)]
         calls = {
             candidate: functools.partial(run, probe, weight_packed, weight_scale, weight_global_scale, candidate)
-            for candidate in candidate_configs(rows, n, k, num_sms, mma)
+            for candidate in candidate_configs(rows, n, k, num_sms, mma, x.device)
+            if _applies(candidate, x, weights, mma)
         }
-        return _fastest_call(calls) or heuristic_config(x.shape[0], n, k, num_sms, mma)
+        return _fastest_call(calls, timings) or heuristic_config(x.shape[0], n, k, num_sms, mma)
 
     def save(self, path: str) -> None:
         table = {key: _choice_to_json(c) for key, c in sorted(self.choices.items())}
@@ -733,9 +822,19 @@ class KernelChooser:
         self.choices.update({key: _choice_from_json(c) for key, c in table.items()})
 
 
-def _fastest_call(calls: dict[Choice, Callable[[], torch.Tensor]]) -> Choice | None:
+def _applies(choice: Choice, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], mma: bool) -> bool:
+    """Whether this call can run ``choice``: the CUDA kernels only where `mma_usable` (``mma``) holds, the tiled one
+    also needs `cuda_mma.supports_tile`."""
+    if isinstance(choice, TileConfig):
+        return mma and cuda_mma.supports_tile(x, weights)
+    return mma or not isinstance(choice, MMAConfig)
+
+
+def _fastest_call(
+    calls: dict[Choice, Callable[[], torch.Tensor]], record: dict[str, float] | None = None
+) -> Choice | None:
     """The choice whose call runs fastest as CUDA-graph replays (how decode runs: host launch overhead would swamp
-    small kernels); choices that fail to build are skipped."""
+    small kernels); choices that fail to build are skipped. ``record`` receives each choice's milliseconds."""
     timings = {}
     for choice, call in calls.items():
         try:
@@ -743,20 +842,26 @@ def _fastest_call(calls: dict[Choice, Callable[[], torch.Tensor]]) -> Choice | N
             timings[choice] = triton.testing.do_bench_cudagraph(call, rep=10, return_mode="median")
         except (triton.runtime.errors.OutOfResources, RuntimeError):  # NVRTCError is a RuntimeError
             continue
+    if record is not None:
+        record.update({str(choice): ms for choice, ms in timings.items()})
     return min(timings, key=timings.get) if timings else None
+
+
+_CUDA_KINDS = {"mma": MMAConfig, "tile": TileConfig, "dequant_chunks": DequantChunks}
 
 
 def _choice_to_json(choice: Choice):
     if isinstance(choice, str):
         return choice
-    return {"kernel": "mma", **asdict(choice)} if isinstance(choice, MMAConfig) else asdict(choice)
+    kind = next((name for name, cls in _CUDA_KINDS.items() if isinstance(choice, cls)), None)
+    return {"kernel": kind, **asdict(choice)} if kind else asdict(choice)
 
 
 def _choice_from_json(entry) -> Choice:
     if isinstance(entry, str):
         return entry
-    if entry.get("kernel") == "mma":
-        return MMAConfig(**{key: value for key, value in entry.items() if key != "kernel"})
+    if entry.get("kernel") in _CUDA_KINDS:
+        return _CUDA_KINDS[entry["kernel"]](**{key: value for key, value in entry.items() if key != "kernel"})
     return FusedConfig(**entry)
 
 
@@ -765,6 +870,10 @@ def run(x, weight_packed, weight_scale, weight_global_scale, choice: Choice) -> 
         return _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
     if isinstance(choice, MMAConfig):
         return cuda_mma.matmul(x, [(weight_packed, weight_scale, weight_global_scale)], choice)
+    if isinstance(choice, TileConfig):
+        return cuda_mma.tile_matmul(x, [(weight_packed, weight_scale, weight_global_scale)], choice)
+    if isinstance(choice, DequantChunks):
+        return dequantize_in_chunks(x, [(weight_packed, weight_scale, weight_global_scale)], [None], choice)
     return fused_matmul(x, weight_packed, weight_scale, weight_global_scale, choice)
 
 
@@ -825,9 +934,13 @@ def grouped_linear(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch
     if mma_usable(x, weights):
         try:
             choice = CHOOSER.choose_group(x, weights)
+            bias = [b.to(x.dtype) if b is not None else None for b in biases]
             if isinstance(choice, MMAConfig):
-                bias = [b.to(x.dtype) if b is not None else None for b in biases]
                 return cuda_mma.matmul(x, weights, choice, bias)
+            if isinstance(choice, TileConfig) and cuda_mma.supports_tile(x, weights):
+                return cuda_mma.tile_matmul(x, weights, choice, bias)
+            if isinstance(choice, DequantChunks):
+                return dequantize_in_chunks(x, weights, bias, choice)
         except nvrtc.NVRTCError as error:
             _mma_failed(x, str(error).splitlines()[0][:300])
     return _separate_products(x, weights, biases)

@@ -16,6 +16,7 @@ talks to the two public C APIs instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import json
@@ -190,6 +191,9 @@ class CudaKernel:
     function: ctypes.c_void_p
     module: ctypes.c_void_p
     name: str
+    shared_memory_limit: int = 48 * 1024
+    """Dynamic shared memory a launch may ask for: raised with `cuFuncSetAttribute` the first time a launch needs
+    more than the default 48 KB."""
 
     @classmethod
     def get(cls, source: str, name_expression: str, device_index: int, options: tuple[str, ...] = ()) -> CudaKernel:
@@ -215,23 +219,49 @@ class CudaKernel:
 
     def launch(
         self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream=None,
-        programmatic: bool = False,
+        programmatic: bool = False, shared_memory: int = 0,
     ) -> None:  # fmt: skip
         """Launch on ``stream`` (default: torch's current stream). ``args`` are ctypes values (or structures) in
         the kernel's parameter order. ``programmatic``: Programmatic Dependent Launch (sm_90+): the kernel may
         start before the previous one on the stream has finished and must wait for it itself
-        (``griddepcontrol.wait``) before reading what it wrote."""
+        (``griddepcontrol.wait``) before reading what it wrote. ``shared_memory``: bytes of dynamic shared memory
+        (``extern __shared__``)."""
+        if shared_memory > self.shared_memory_limit:
+            _check_cuda(
+                cuda_driver().cuFuncSetAttribute(self.function, MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_memory),
+                f"allowing {shared_memory} bytes of shared memory to {self.name}",
+            )
+            self.shared_memory_limit = shared_memory
         stream = torch.cuda.current_stream() if stream is None else stream
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
         handle = ctypes.c_void_p(stream.cuda_stream)
         if not programmatic:
-            result = cuda_driver().cuLaunchKernel(self.function, *grid, *block, 0, handle, pointers, None)
+            result = cuda_driver().cuLaunchKernel(self.function, *grid, *block, shared_memory, handle, pointers, None)
         else:
             attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
             attribute.value[0] = 1  # programmaticStreamSerializationAllowed
-            config = LaunchConfig(*grid, *block, 0, handle, ctypes.pointer(attribute), 1)
+            config = LaunchConfig(*grid, *block, shared_memory, handle, ctypes.pointer(attribute), 1)
             result = cuda_driver().cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None)
         _check_cuda(result, f"launching {self.name}")
+
+
+MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+"""``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` in cuda.h."""
+MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+"""``CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`` in cuda.h."""
+
+
+@functools.cache
+def max_shared_memory_per_block(device_index: int) -> int:
+    """The most dynamic shared memory one CTA may ask for on this device (227 KB on Hopper, 163 KB on A100, 99 KB
+    on sm_86/89)."""
+    value, device = ctypes.c_int(), ctypes.c_int()
+    _check_cuda(cuda_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    _check_cuda(
+        cuda_driver().cuDeviceGetAttribute(ctypes.byref(value), MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device),
+        "cuDeviceGetAttribute",
+    )
+    return value.value
 
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6

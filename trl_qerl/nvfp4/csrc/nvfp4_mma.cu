@@ -404,3 +404,272 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
     out[(u64)(tok0 + tok) * ldo + seg.col_start[s] + row] = round_to_output<BF16>(sum);
   }
 }
+
+// ---- The tiled kernel: 16 to a few hundred activation rows ----------------------------------------------------
+//
+// The decode kernel above loads every token's activations from global memory in every warp, so from ~32 rows on it
+// reads ~16x more activation bytes (through L1) than weight bytes and stops being limited by the weights. This
+// kernel stages each 128-column block of the activations in shared memory once per CTA and lets WARPS warps, each
+// owning 16*MT weight rows, read it from there: every activation fragment a lane loads feeds MT m-tiles of MMAs.
+// Weights, scales and activations of a block come in by cp.async, STAGES blocks in flight (sm_80+), so nothing
+// waits on a register prefetch. The MMA and its register layout are the decode kernel's (swap-AB, lane (g, t) takes
+// columns 32t..32t+31 of a block, Marlin decode, activations permuted with PRMT), so both kernels give the same
+// products for the same inputs.
+//
+// Shared memory of one stage, for ROWS weight rows and TOKENS tokens:
+//   codes  [ROWS][64 bytes]            a lane reads 16 bytes (its 32 columns) of rows g and g + 8: conflict-free
+//   scales [ROWS][8 bytes]             the 8 block scales of a row's 128 columns
+//   x      [TOKENS][16 chunks of 16 B] chunk c of token r sits at c ^ (((c >> 3) & 1) << 1) ^ (r & 1), so the 8 lanes
+//                                      of a 16-byte load phase (tokens r, r+1; t = 0..3) hit 8 different bank groups
+// The epilogue reuses the same memory for the output tile, so every global store is 16 bytes wide and coalesced.
+//
+// K may be split over grid.z (small layers at a few dozen rows would leave most multiprocessors idle): each split
+// then writes fp32 partial sums (already scaled, bias in split 0) and nvfp4_split_reduce_kernel adds them in fixed
+// order. Requires K % 128 == 0 (every Qwen/Llama width is) and 8-byte aligned scale rows.
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+  u32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
+  return address;
+}
+
+__device__ __forceinline__ void copy_async_16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_8(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ int x_chunk_slot(int chunk, int token) {
+  return chunk ^ (((chunk >> 3) & 1) << 1) ^ (token & 1);
+}
+
+// Byte sizes shared with the launcher (cuda_mma.TileConfig mirrors them).
+template <int ROWS, int TOKENS>
+struct TileLayout {
+  static constexpr int CODES = ROWS * 64;
+  static constexpr int SCALES = ROWS * 8;
+  static constexpr int X = TOKENS * 256;
+  static constexpr int STAGE = CODES + SCALES + X;
+  static constexpr int OUT_STRIDE = ROWS + 8;  // 16-bit outputs per token row of the epilogue tile (padded)
+  static constexpr int PARTIAL_STRIDE = ROWS + 4;  // fp32 partial sums per token row
+};
+
+template <int MT, int NT, int WARPS, int STAGES, bool BF16>
+__global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __restrict__ x, int M, int K, int ldx,
+                                                                u16* __restrict__ out, int ldo,
+                                                                float* __restrict__ partial, Segments seg) {
+  constexpr int ROWS = 16 * MT * WARPS, TOKENS = 8 * NT, THREADS = 32 * WARPS;
+  using L = TileLayout<ROWS, TOKENS>;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  int s = 0;
+  #pragma unroll
+  for (int i = 1; i < MAX_SEGMENTS; ++i) s += (i < seg.count && (int)blockIdx.y >= seg.tile_start[i]) ? 1 : 0;
+  const int rows = seg.rows[s];
+  const int row0 = ((int)blockIdx.y - seg.tile_start[s]) * ROWS;
+  const int tok0 = blockIdx.x * TOKENS;
+  const int blocks = K >> 7;
+  const int per_split = (blocks + gridDim.z - 1) / gridDim.z;
+  const int kb_begin = min(blocks, (int)blockIdx.z * per_split);
+  const int count = min(blocks, kb_begin + per_split) - kb_begin;
+
+  // What this thread copies into each stage: byte offsets (32-bit: a weight has < 4 GB) of its 16-byte code chunks,
+  // 8-byte scale rows and 16-byte activation chunks at block 0. Clamped rows and tokens read real memory and are
+  // never stored. THREADS is a multiple of 16, so a thread's activation chunk index (and its slot) never changes.
+  constexpr int CODE_COPIES = ROWS * 4 / THREADS, SCALE_COPIES = (ROWS + THREADS - 1) / THREADS;
+  constexpr int X_COPIES = (TOKENS * 16 + THREADS - 1) / THREADS;
+  const unsigned char* packed = reinterpret_cast<const unsigned char*>(seg.packed[s]);
+  const unsigned char* scales = reinterpret_cast<const unsigned char*>(seg.scales[s]);
+  const unsigned char* xb = reinterpret_cast<const unsigned char*>(x);
+  u32 code_src[CODE_COPIES], scale_src[SCALE_COPIES], x_src[X_COPIES];
+  #pragma unroll
+  for (int j = 0; j < CODE_COPIES; ++j) {
+    const int i = threadIdx.x + j * THREADS;
+    code_src[j] = (u32)min(row0 + (i >> 2), rows - 1) * (u32)(K >> 1) + (i & 3) * 16;
+  }
+  #pragma unroll
+  for (int j = 0; j < SCALE_COPIES; ++j) {
+    scale_src[j] = (u32)min(row0 + (int)threadIdx.x + j * THREADS, rows - 1) * (u32)(K >> 4);
+  }
+  const int x_chunk = threadIdx.x & 15;
+  #pragma unroll
+  for (int j = 0; j < X_COPIES; ++j) {
+    const int r = (threadIdx.x >> 4) + j * (THREADS / 16);
+    x_src[j] = (u32)min(tok0 + r, M - 1) * (u32)ldx * 2u + x_chunk * 16;
+  }
+  const int x_dst = (threadIdx.x >> 4) * 256 + x_chunk_slot(x_chunk, threadIdx.x >> 4) * 16;
+  const u32 base = shared_address(smem);
+  auto issue_stage = [&](int slot, int kb) {
+    const u32 stage = base + slot * L::STAGE;
+    #pragma unroll
+    for (int j = 0; j < CODE_COPIES; ++j) {
+      copy_async_16(stage + (threadIdx.x + j * THREADS) * 16, packed + code_src[j] + kb * 64);
+    }
+    #pragma unroll
+    for (int j = 0; j < SCALE_COPIES; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      if (SCALE_COPIES * THREADS == ROWS || i < ROWS) copy_async_8(stage + L::CODES + i * 8, scales + scale_src[j] + kb * 8);
+    }
+    #pragma unroll
+    for (int j = 0; j < X_COPIES; ++j) {
+      if (X_COPIES * THREADS == TOKENS * 16 || (int)threadIdx.x + j * THREADS < TOKENS * 16) {
+        copy_async_16(stage + L::CODES + L::SCALES + x_dst + j * (THREADS / 16) * 256, xb + x_src[j] + kb * 256);
+      }
+    }
+  };
+
+  float acc[MT][NT][4];
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+  // Per-lane offsets inside a stage: its weight rows, and the slots of its four 16-byte activation chunks.
+  const int warp_row = warp * 16 * MT;
+  const int swizzle = ((t >> 1) << 1) ^ (g & 1);
+  int x_offset[4];
+  #pragma unroll
+  for (int w = 0; w < 4; ++w) x_offset[w] = g * 256 + (4 * t + (w ^ swizzle)) * 16;
+
+  #pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < count) issue_stage(i, kb_begin + i);
+    copy_async_commit();
+  }
+  for (int i = 0; i < count; ++i) {
+    copy_async_wait<STAGES - 2>();
+    __syncthreads();  // stage i is in; every warp is done with the slot refilled next
+    if (i + STAGES - 1 < count) issue_stage((i + STAGES - 1) % STAGES, kb_begin + i + STAGES - 1);
+    copy_async_commit();
+
+    const unsigned char* stage = smem + (i % STAGES) * L::STAGE;
+    uint4 wv[MT][2];
+    u32 scale[MT][2][2];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp_row + mt * 16 + h * 8 + g;
+        wv[mt][h] = *reinterpret_cast<const uint4*>(stage + r * 64 + t * 16);
+        float lo, hi;
+        e4m3x2_to_float(*reinterpret_cast<const u16*>(stage + L::CODES + r * 8 + t * 2), lo, hi);
+        scale[mt][h][0] = scale_pair<BF16>(lo);
+        scale[mt][h][1] = scale_pair<BF16>(hi);
+      }
+    }
+    const unsigned char* xs = stage + L::CODES + L::SCALES;
+    #pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      u32 a[MT][2][4];
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint4 v = wv[mt][h];
+          const u32 q = w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+          decode_word<BF16>(q, a[mt][h]);
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) a[mt][h][j] = mul2<BF16>(a[mt][h][j], scale[mt][h][w >> 1]);
+        }
+      }
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(xs + nt * 8 * 256 + x_offset[w]);
+        const u32 b0 = prmt(xv.x, xv.z, 0x5410u), b1 = prmt(xv.x, xv.z, 0x7632u);
+        const u32 b2 = prmt(xv.y, xv.w, 0x5410u), b3 = prmt(xv.y, xv.w, 0x7632u);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma<BF16>(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], b0, b1);
+          mma<BF16>(acc[mt][nt], a[mt][0][2], a[mt][1][2], a[mt][0][3], a[mt][1][3], b2, b3);
+        }
+      }
+    }
+  }
+  copy_async_wait<0>();
+  __syncthreads();  // the stages are free: the epilogue tile reuses them
+
+  const float factor = (BF16 ? 9223372036854775808.0f : 16384.0f) / *seg.global_scale[s];
+  const u16* bias = blockIdx.z == 0 ? seg.bias[s] : nullptr;
+  float bias_of[MT][2];
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + warp_row + mt * 16 + h * 8 + g;
+      bias_of[mt][h] = (bias != nullptr && row < rows) ? input_to_float<BF16>(bias[row]) : 0.0f;
+    }
+
+  if (partial == nullptr) {
+    u16* tile = reinterpret_cast<u16*>(smem);
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = warp_row + mt * 16 + g + (i >> 1) * 8, token = nt * 8 + 2 * t + (i & 1);
+          tile[token * L::OUT_STRIDE + r] = round_to_output<BF16>(acc[mt][nt][i] * factor + bias_of[mt][i >> 1]);
+        }
+    __syncthreads();
+    u16* dst = out + seg.col_start[s] + row0;
+    const int valid_rows = min(ROWS, rows - row0);
+    const bool vector = ((seg.col_start[s] + row0) % 8 == 0) && (ldo % 8 == 0) &&
+                        (reinterpret_cast<u64>(out) % 16 == 0);
+    for (int e = threadIdx.x; e < TOKENS * (ROWS / 8); e += THREADS) {
+      const int token = e / (ROWS / 8), r = (e % (ROWS / 8)) * 8;
+      if (tok0 + token >= M || r >= valid_rows) continue;
+      const u16* src = tile + token * L::OUT_STRIDE + r;
+      u16* o = dst + (u64)(tok0 + token) * ldo + r;
+      if (vector && r + 8 <= valid_rows) {
+        *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int j = 0; j < 8 && r + j < valid_rows; ++j) o[j] = src[j];
+      }
+    }
+  } else {
+    float* tile = reinterpret_cast<float*>(smem);
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = warp_row + mt * 16 + g + (i >> 1) * 8, token = nt * 8 + 2 * t + (i & 1);
+          tile[token * L::PARTIAL_STRIDE + r] = acc[mt][nt][i] * factor + bias_of[mt][i >> 1];
+        }
+    __syncthreads();
+    // partial is [splits][M][ldo] fp32; this split's slice, the segment's columns
+    float* dst = partial + (u64)blockIdx.z * M * ldo + seg.col_start[s] + row0;
+    const int valid_rows = min(ROWS, rows - row0);
+    for (int e = threadIdx.x; e < TOKENS * ROWS; e += THREADS) {
+      const int token = e / ROWS, r = e % ROWS;
+      if (tok0 + token < M && r < valid_rows) dst[(u64)(tok0 + token) * ldo + r] = tile[token * L::PARTIAL_STRIDE + r];
+    }
+  }
+}
+
+// out[m][n] = sum over splits of partial[split][m][n], in split order, rounded once (n < N, out row stride ldo;
+// partial rows are ldo wide too).
+template <bool BF16>
+__global__ void nvfp4_split_reduce_kernel(const float* __restrict__ partial, int splits, int M, int N, int ldo,
+                                          u16* __restrict__ out) {
+  const u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= (u64)M * N) return;
+  const u64 m = e / N, n = e % N;
+  float sum = 0.0f;
+  for (int z = 0; z < splits; ++z) sum += partial[((u64)z * M + m) * ldo + n];
+  out[m * ldo + n] = round_to_output<BF16>(sum);
+}

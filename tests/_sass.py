@@ -1,0 +1,54 @@
+"""Reading SASS in CPU tests: the disassembler Triton bundles, and the innermost loop of a kernel that holds MMAs."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+
+def cuobjdump() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return shutil.which("cuobjdump")
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else shutil.which("cuobjdump")
+
+
+def sass_of(cubin: bytes, folder: Path) -> str:
+    """SASS text of a cubin (written to ``folder``)."""
+    path = folder / "k.cubin"
+    path.write_bytes(cubin)
+    return subprocess.run([cuobjdump(), "-sass", str(path)], capture_output=True, text=True).stdout
+
+
+def resources_of(cubin: bytes, folder: Path) -> dict[str, int]:
+    """``{"REG": ..., "STACK": ..., "LOCAL": ...}`` from ``cuobjdump -res-usage``."""
+    path = folder / "k.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([cuobjdump(), "-res-usage", str(path)], capture_output=True, text=True).stdout
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", text)}
+
+
+def opcodes(sass: str) -> list[str]:
+    """Opcodes in order (predicates dropped)."""
+    return [text.split()[1] if text.startswith("@") else text.split()[0]
+            for text in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]  # fmt: skip
+
+
+def main_loop(sass: str) -> list[str]:
+    """Opcodes of the innermost loop that holds MMAs: from a backward branch's target to the branch."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    opcode = [(address, text.split()[1] if text.startswith("@") else text.split()[0]) for address, text in lines]
+    loops = []
+    for i, (address, text) in enumerate(lines):
+        target = re.search(r"BRA\s+(?:`?\(?)(0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            body = [op for a, op in opcode if start <= a <= address]
+            if any(op.startswith("HMMA") for op in body):
+                loops.append(body)
+    assert loops, "no loop with MMAs found"
+    return min(loops, key=len)
