@@ -18,8 +18,12 @@ down) and row count M, times
 Timing: CUDA events around a CUDA graph of back-to-back calls (launch gaps are those of graph replay), weights
 rotated over enough copies that each kind of weight exceeds 3x the L2 cache, median of repeated replays.
 Bandwidth counts the bytes that must move (weights once, activations in and out) and is compared with a measured
-device-to-device copy. ``--sweep`` also times every instance of the CUDA decode kernel for M <= 512 (and
-``--variants`` compile-time switches of its source).
+device-to-device copy. Every point also checks our product against a float64 reference (``rel_err``). ``--sweep``
+also times every instance of the CUDA decode kernel for M <= 512 (and ``--variants`` compile-time switches of its
+source) and of the tiled kernel. ``--retune ROWS`` ignores the shipped kernel choices (``nvfp4/tuned/``) from
+that row bucket on, so every candidate is timed again (save them with ``--choices``); ``--precompile N`` builds
+the CUDA kernels' candidate instances in N processes first (NVRTC's disk cache), which keeps compile time out of
+the first timings.
 
 Usage:
     python scripts/bench_kernels.py --models qwen2.5-7b qwen2.5-32b --json out.json --choices choices.json
@@ -38,8 +42,8 @@ import triton
 import triton.language as tl
 from model_shapes import linear_shapes
 
-from trl_qerl.nvfp4 import cuda_mma, kernels
-from trl_qerl.nvfp4.format import quantize, shared_global_scale
+from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc
+from trl_qerl.nvfp4.format import dequantize, quantize, relative_error, shared_global_scale
 
 
 ROWS = (1, 4, 16, 64, 128, 256, 512, 1024, 4096)
@@ -194,6 +198,8 @@ def bench_point(layer: Layer, rows: int, variants: list[str], pdl: bool = False)
     result = {"N": n, "K": k, "M": rows}
     result["nvfp4_s"] = graph_time([nvfp4_call(x, members) for members in layer.members])
     result["kernel"] = chosen_kernel(x, layer, len(layer.members[0]))
+    reference = torch.cat([x.double() @ dequantize(*w, dtype=torch.float64).T for w in layer.members[0]], dim=1)
+    result["rel_err"] = relative_error(reference, nvfp4_call(x, layer.members[0])())
     if pdl and "mma" in result["kernel"]:  # the same calls with Programmatic Dependent Launch (NVFP4_PDL=1)
         os.environ["NVFP4_PDL"] = "1"
         try:
@@ -223,7 +229,46 @@ def bench_point(layer: Layer, rows: int, variants: list[str], pdl: bool = False)
                     result["sweep_s"][f"{variant or 'default'}|{config}"] = graph_time(calls, repeats=7)
                 except RuntimeError as error:  # an instance that does not build (registers, shared memory)
                     result["sweep_s"][f"{variant or 'default'}|{config}"] = repr(error)[:200]
+    if variants and cuda_mma.supports_tile(x, layer.members[0]):
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for config in kernels.tile_candidates(kernels.m_bucket(rows), n, k, x.device, num_sms):
+            calls = [lambda m=m, c=config: cuda_mma.tile_matmul(x, m, c) for m in layer.members]
+            try:
+                result.setdefault("sweep_s", {})[str(config)] = graph_time(calls, repeats=7)
+            except RuntimeError as error:
+                result.setdefault("sweep_s", {})[str(config)] = repr(error)[:200]
     return result
+
+
+def precompile(models: list[str], shapes: list[str], rows: list[int], processes: int) -> float:
+    """Builds every CUDA-kernel instance the chooser may time for these points into NVRTC's disk cache, in
+    ``processes`` worker processes; returns the seconds it took."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    start = time.time()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    major, minor = torch.cuda.get_device_capability(0)
+    names = set()
+    for model in models:
+        for name in shapes:
+            members = projections(model)[name]
+            n, k = sum(r for r, _ in members), members[0][1]
+            for m in rows:
+                bucket = kernels.m_bucket(m)
+                for choice in kernels.candidate_configs(bucket, n, k, num_sms, mma=True, device=torch.device("cuda")):
+                    if isinstance(choice, (cuda_mma.MMAConfig, cuda_mma.TileConfig)):
+                        names.add(choice.name_expression(torch.bfloat16))
+                if bucket <= kernels.MMA_MAX_ROWS:
+                    names.update(c.name_expression(torch.bfloat16) for c in cuda_mma.candidate_configs(bucket, n, k))
+    names.add(cuda_mma._reduce_name(torch.bfloat16))
+    with ProcessPoolExecutor(processes) as pool:
+        list(pool.map(_build, [(name, f"sm_{major}{minor}") for name in sorted(names)]))
+    return time.time() - start
+
+
+def _build(item: tuple[str, str]) -> None:
+    name, arch = item
+    nvrtc.cached_cubin(cuda_mma.source(), name, arch)
 
 
 def main() -> None:
@@ -242,7 +287,18 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--choices", default=None, help="save the tuned kernel choices here")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new shapes after this")
+    parser.add_argument("--retune", type=int, default=None, metavar="ROWS",
+                        help="ignore the shipped kernel choices for row buckets >= ROWS: time every candidate again")  # fmt: skip
+    parser.add_argument("--precompile", type=int, default=0, metavar="N",
+                        help="build the CUDA kernels' candidate instances in N processes first")  # fmt: skip
     args = parser.parse_args()
+    if args.retune is not None:
+        stale = [key for key in kernels.CHOOSER.choices if int(key.split("|")[2]) >= args.retune]
+        for key in stale:
+            del kernels.CHOOSER.choices[key]
+    if args.precompile:
+        seconds = precompile(args.models, args.shapes, args.rows, args.precompile)
+        print(f"precompiled the CUDA kernels' candidates in {seconds:.0f} s")
 
     start = time.time()
     props = torch.cuda.get_device_properties(0)
@@ -254,8 +310,8 @@ def main() -> None:
     for model in args.models:
         print(f"\n### {model}\n")
         print("| shape (N x K) | M | kernel | NVFP4 µs | bf16 µs | NVFP4/bf16 | humming/bf16 | floor/bf16 "
-              "| NVFP4 TB/s (% copy) | bwd NVFP4/bf16 |" + (" with PDL µs (/bf16) |" if args.pdl else ""))  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.pdl else ""))
+              "| NVFP4 TB/s (% copy) | bwd NVFP4/bf16 | rel. err |" + (" with PDL µs (/bf16) |" if args.pdl else ""))  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.pdl else ""))
         for name in args.shapes:
             if time.time() - start > args.budget_s:
                 print(f"(stopped: --budget-s {args.budget_s:.0f} reached before {model} {name})")
@@ -286,13 +342,15 @@ def _row(name: str, r: dict, bandwidth: float, pdl: bool = False) -> str:
     backward = f"{r['nvfp4_backward_s'] / r['bf16_backward_s']:.2f}" if "nvfp4_backward_s" in r else "-"
     return (f"| {name} ({r['N']}x{r['K']}) | {r['M']} | {r['kernel']} | {r['nvfp4_s'] * 1e6:.1f} "
             f"| {r['bf16_s'] * 1e6:.1f} | {ratio('nvfp4_s')} | {ratio('humming_s')} | {ratio('floor_s')} "
-            f"| {r['nvfp4_bandwidth'] / 1e12:.2f} ({100 * r['nvfp4_bandwidth'] / bandwidth:.0f}%) | {backward} |"
+            f"| {r['nvfp4_bandwidth'] / 1e12:.2f} ({100 * r['nvfp4_bandwidth'] / bandwidth:.0f}%) | {backward} "
+            f"| {r['rel_err']:.1e} |"
             + (f" {r['nvfp4_pdl_s'] * 1e6:.1f} ({ratio('nvfp4_pdl_s')}) |" if "nvfp4_pdl_s" in r else " - |" if pdl else ""))  # fmt: skip
 
 
 def _write(path: str, device: str, bandwidth: float, results: list) -> None:
     with open(path, "w") as handle:
-        json.dump({"device": device, "copy_bandwidth": bandwidth, "results": results}, handle, indent=1)
+        json.dump({"device": device, "copy_bandwidth": bandwidth, "results": results,
+                   "candidate_ms": kernels.CHOOSER.timings}, handle, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

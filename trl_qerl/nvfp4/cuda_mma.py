@@ -323,8 +323,9 @@ def tile_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
     columns: 64 or 128 weight rows per CTA, two or four m tiles per warp, accumulators in registers (at most 16 m x
     n tiles per warp: 64 fp32 registers), the deepest pipeline that fits twice in a multiprocessor's shared memory,
     and a K split where the row and token tiles alone would not fill the GPU. Measured on the H200 (7B shapes,
-    2026-12-02) and left out: one m tile per warp (each activation fragment then feeds a single MMA pair) and
-    256-row CTAs (one CTA per multiprocessor): never the fastest, 1.2-2.5x the best candidate."""
+    2026-12-02) and left out, never the fastest candidate: one m tile per warp (each activation fragment then feeds
+    a single MMA pair; a median 1.13x its two-tile twin) and 256-row CTAs (one CTA per multiprocessor; 1.2-2.5x the
+    best candidate)."""
     tokens = min(max(m, 1), 64)
     nt = next(nt for nt in (1, 2, 4, 8) if 8 * nt >= tokens)
     blocks = k // 128
