@@ -18,6 +18,7 @@ import subprocess
 
 import pytest
 import torch
+from _cuda_cases import poisoned_out, quantized, reference
 from _sass import cuobjdump, main_loop
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
@@ -141,31 +142,17 @@ def test_chooser_saves_decode_kernel_choices(tmp_path):
 
 
 # -- on a GPU -------------------------------------------------------------------------------------------------
-def _quantized(n, k, generator, device="cuda"):
-    return quantize((torch.randn(n, k, generator=generator) * 0.05).to(device))
-
-
-def _reference(x, weights, biases):
-    outs = [x.double() @ dequantize(*w, dtype=torch.float64).T for w in weights]
-    outs = [o + b.double() if b is not None else o for o, b in zip(outs, biases)]
-    return torch.cat(outs, dim=1)
-
-
-def _poisoned_out(m, n, dtype):
-    return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 16, 33, 64, 130])
 @pytest.mark.parametrize("n,k", [(200, 96), (512, 3584 + 32), (1000, 1024)])
 def test_every_instance_matches_the_reference(dtype, m, n, k):
     generator = torch.Generator().manual_seed(m * 7 + n + k)
-    weights = [_quantized(n, k, generator)]
+    weights = [quantized(n, k, generator)]
     x = (torch.randn(m, k, generator=generator)).to("cuda", dtype)
-    expected = _reference(x, weights, [None])
+    expected = reference(x, weights, [None])
     for config in cuda_mma.candidate_configs(m, n, k) + [cuda_mma.heuristic_config(m, n, k, 132)]:
-        out = cuda_mma.matmul(x, weights, config, out=_poisoned_out(m, n, dtype))
+        out = cuda_mma.matmul(x, weights, config, out=poisoned_out(m, n, dtype))
         assert torch.isfinite(out).all(), f"{config}: unwritten or non-finite outputs"
         assert relative_error(expected, out) < TOLERANCE, str(config)
 
@@ -175,14 +162,14 @@ def test_every_instance_matches_the_reference(dtype, m, n, k):
 def test_grouped_launch_with_biases_matches_the_reference(dtype):
     generator = torch.Generator().manual_seed(3)
     k = 640
-    weights = [_quantized(n, k, generator) for n in (256, 48, 48)]  # q, k, v: rows not multiples of 32
+    weights = [quantized(n, k, generator) for n in (256, 48, 48)]  # q, k, v: rows not multiples of 32
     biases = [torch.randn(n, generator=generator).to("cuda", dtype) for n in (256, 48, 48)]
     biases[1] = None
     for m in (1, 7, 24):
         x = torch.randn(m, k, generator=generator).to("cuda", dtype)
-        expected = _reference(x, weights, biases)
+        expected = reference(x, weights, biases)
         for config in (cuda_mma.MMAConfig(1, 1, 1), cuda_mma.MMAConfig(2, 2, 2), cuda_mma.MMAConfig(1, 4, 4)):
-            out = cuda_mma.matmul(x, weights, config, biases, out=_poisoned_out(m, 352, dtype))
+            out = cuda_mma.matmul(x, weights, config, biases, out=poisoned_out(m, 352, dtype))
             assert relative_error(expected, out) < TOLERANCE, str(config)
         packed, scale, gs = (list(t) for t in zip(*weights))
         out = torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, biases)
@@ -198,7 +185,7 @@ def test_edge_weights_decode_exactly():
     scale_values = torch.tensor([2**-9, 2**-7, 0.125, 1.0, 448.0, 3.5, 0.0625, 240.0]).repeat(64, 2)[:, : k // 16]
     weight = (packed, scale_values.to(torch.float8_e4m3fn).cuda(), torch.tensor([3.7], device="cuda"))
     x = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
-    expected = _reference(x, [weight], [None])
+    expected = reference(x, [weight], [None])
     for dtype in (torch.bfloat16, torch.float16):
         out = cuda_mma.matmul(x.to(dtype), [weight], cuda_mma.MMAConfig(1, 1, 2))
         assert relative_error(expected, out) < TOLERANCE
@@ -209,12 +196,12 @@ def test_linear_op_offers_the_decode_kernel_and_is_correct():
     from trl_qerl.nvfp4 import kernels as K
 
     generator = torch.Generator().manual_seed(5)
-    weight = _quantized(4608, 3584, generator)
+    weight = quantized(4608, 3584, generator)
     untimed = K.KernelChooser(autotune=False)
     for m in (1, 16, 64, 300):
         x = torch.randn(m, 3584, generator=generator).to("cuda", torch.bfloat16)
         out = torch.ops.trl_qerl.nvfp4_linear(x, *weight)  # whatever the (timed) chooser picked
-        assert relative_error(_reference(x, [weight], [None]), out) < TOLERANCE
+        assert relative_error(reference(x, [weight], [None]), out) < TOLERANCE
         assert K.mma_usable(x, [weight])
         # without timing, decode rows take the decode kernel; larger M keeps the Triton / cuBLAS paths
         assert isinstance(untimed.choose(x, *weight), cuda_mma.MMAConfig) == (m <= 64)
@@ -223,14 +210,14 @@ def test_linear_op_offers_the_decode_kernel_and_is_correct():
 @needs_cuda
 def test_cuda_graph_replays_read_new_inputs_in_place():
     generator = torch.Generator().manual_seed(9)
-    weights = [_quantized(n, 512, generator) for n in (384, 64, 64)]
+    weights = [quantized(n, 512, generator) for n in (384, 64, 64)]
     packed, scale, gs = (list(t) for t in zip(*weights))
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
     graph, out = _captured(lambda: torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, [None] * 3))
     for seed in range(3):
         x.copy_(torch.randn(8, 512, generator=torch.Generator().manual_seed(seed)).cuda())
         graph.replay()
-        assert relative_error(_reference(x, weights, [None] * 3), out) < TOLERANCE
+        assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE
 
 
 @needs_cuda
@@ -240,7 +227,7 @@ def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch):
     an elementwise kernel), equals the reference on every replay: no product reads its input early."""
     monkeypatch.setenv("NVFP4_PDL", "1")
     generator = torch.Generator().manual_seed(11)
-    weights = [_quantized(1024, 1024, generator) for _ in range(4)]
+    weights = [quantized(1024, 1024, generator) for _ in range(4)]
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
     config = cuda_mma.MMAConfig(1, 1, 4)
 
@@ -279,7 +266,7 @@ def _between(h, i):
 @needs_cuda
 def test_torch_compile_of_the_grouped_op_matches_eager():
     generator = torch.Generator().manual_seed(4)
-    weights = [_quantized(n, 256, generator) for n in (128, 128)]
+    weights = [quantized(n, 256, generator) for n in (128, 128)]
     packed, scale, gs = (list(t) for t in zip(*weights))
 
     def gate_up(x):
@@ -301,11 +288,11 @@ def test_build_failure_falls_back_to_triton_with_one_warning(monkeypatch, caplog
     monkeypatch.setattr(cuda_mma, "kernel", broken)
     monkeypatch.setattr(K, "_MMA_BROKEN", set())
     monkeypatch.setattr(K, "CHOOSER", K.KernelChooser(autotune=False))
-    weight = _quantized(256, 512, torch.Generator().manual_seed(1))
+    weight = quantized(256, 512, torch.Generator().manual_seed(1))
     x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="trl_qerl.nvfp4.kernels"):
         first = torch.ops.trl_qerl.nvfp4_linear(x, *weight)
         second = torch.ops.trl_qerl.nvfp4_linear(x, *weight)
-    assert relative_error(_reference(x, [weight], [None]), first) < TOLERANCE
+    assert relative_error(reference(x, [weight], [None]), first) < TOLERANCE
     assert torch.equal(first, second)
     assert sum("CUDA decode kernel cannot run" in r.message for r in caplog.records) == 1

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _cuda_cases import poisoned_out, quantized, reference
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
-from trl_qerl.nvfp4.format import dequantize, quantize, relative_error
+from trl_qerl.nvfp4.format import quantize, relative_error
 from trl_qerl.nvfp4.nvrtc import NVRTCError
 
 
@@ -131,20 +132,6 @@ def test_hopper_main_loop_multiplies_from_shared_memory_within_budget(tmp_path, 
 
 
 # -- on a GPU -------------------------------------------------------------------------------------------------
-def _quantized(n, k, generator, device="cuda"):
-    return quantize((torch.randn(n, k, generator=generator) * 0.05).to(device))
-
-
-def _reference(x, weights, biases):
-    outs = [x.double() @ dequantize(*w, dtype=torch.float64).T for w in weights]
-    outs = [o + b.double() if b is not None else o for o, b in zip(outs, biases)]
-    return torch.cat(outs, dim=1)
-
-
-def _poisoned_out(m, n, dtype):
-    return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-
-
 def _configs(m, n, k):
     """The candidates plus instances the candidates may not include: every warp shape, split K, short pipelines."""
     extra = [cuda_mma.TileConfig(1, 1, 1, 2), cuda_mma.TileConfig(2, 2, 2, 3, split_k=3),
@@ -159,12 +146,12 @@ def _configs(m, n, k):
 @pytest.mark.parametrize("n,k", [(200, 384), (512, 3584), (1000, 1024)])
 def test_every_instance_matches_the_reference(dtype, m, n, k):
     generator = torch.Generator().manual_seed(m * 7 + n + k)
-    weights = [_quantized(n, k, generator)]
+    weights = [quantized(n, k, generator)]
     x = torch.randn(m, k, generator=generator).to("cuda", dtype)
     assert cuda_mma.supports_tile(x, weights)
-    expected = _reference(x, weights, [None])
+    expected = reference(x, weights, [None])
     for config in _configs(m, n, k):
-        out = cuda_mma.tile_matmul(x, weights, config, out=_poisoned_out(m, n, dtype))
+        out = cuda_mma.tile_matmul(x, weights, config, out=poisoned_out(m, n, dtype))
         assert torch.isfinite(out).all(), f"{config}: unwritten or non-finite outputs"
         assert relative_error(expected, out) < TOLERANCE, str(config)
 
@@ -177,12 +164,12 @@ def test_grouped_launch_with_biases_into_a_wider_output(dtype):
     generator = torch.Generator().manual_seed(3)
     k = 768
     rows = (320, 40, 40)
-    weights = [_quantized(n, k, generator) for n in rows]
+    weights = [quantized(n, k, generator) for n in rows]
     biases = [torch.randn(n, generator=generator).to("cuda", dtype) for n in rows]
     biases[1] = None
     for m in (16, 50):
         x = torch.randn(m, k, generator=generator).to("cuda", dtype)
-        expected = _reference(x, weights, biases)
+        expected = reference(x, weights, biases)
         for config in (cuda_mma.TileConfig(2, 8, 4, 3), cuda_mma.TileConfig(1, 2, 2, 2, split_k=2)):
             wide = torch.full((m, 512), 7.0, device="cuda", dtype=dtype)
             out = cuda_mma.tile_matmul(x, weights, config, biases, out=wide[:, :400])
@@ -193,7 +180,7 @@ def test_grouped_launch_with_biases_into_a_wider_output(dtype):
 @needs_cuda
 def test_split_k_sums_are_deterministic_and_match_one_split():
     generator = torch.Generator().manual_seed(8)
-    weights = [_quantized(256, 4096, generator)]
+    weights = [quantized(256, 4096, generator)]
     x = torch.randn(48, 4096, generator=generator).to("cuda", torch.bfloat16)
     split = cuda_mma.TileConfig(1, 8, 4, 3, split_k=4)
     first = cuda_mma.tile_matmul(x, weights, split)
@@ -206,7 +193,7 @@ def test_split_k_sums_are_deterministic_and_match_one_split():
 def test_the_tiled_kernel_gives_the_decode_kernels_products():
     """Same MMA, same register layout, same rounding: only the order of fp32 sums over K may differ."""
     generator = torch.Generator().manual_seed(12)
-    weights = [_quantized(384, 1024, generator)]
+    weights = [quantized(384, 1024, generator)]
     x = torch.randn(32, 1024, generator=generator).to("cuda", torch.bfloat16)
     tiled = cuda_mma.tile_matmul(x, weights, cuda_mma.TileConfig(2, 4, 4, 2))
     decoded = cuda_mma.matmul(x, weights, cuda_mma.MMAConfig(1, 4, 1))
@@ -216,7 +203,7 @@ def test_the_tiled_kernel_gives_the_decode_kernels_products():
 @needs_cuda
 def test_cuda_graph_replays_read_new_inputs_in_place():
     generator = torch.Generator().manual_seed(9)
-    weights = [_quantized(n, 512, generator) for n in (384, 64, 64)]
+    weights = [quantized(n, 512, generator) for n in (384, 64, 64)]
     x = torch.randn(40, 512, device="cuda", dtype=torch.bfloat16)
     config = cuda_mma.TileConfig(1, 8, 4, 3, split_k=2)
     cuda_mma.tile_matmul(x, weights, config)
@@ -227,13 +214,13 @@ def test_cuda_graph_replays_read_new_inputs_in_place():
     for seed in range(3):
         x.copy_(torch.randn(40, 512, generator=torch.Generator().manual_seed(seed)).cuda())
         graph.replay()
-        assert relative_error(_reference(x, weights, [None] * 3), out) < TOLERANCE
+        assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE
 
 
 @needs_cuda
 def test_chooser_offers_the_tiled_kernel_through_the_ops():
     generator = torch.Generator().manual_seed(5)
-    weights = [_quantized(n, 1024, generator) for n in (1024, 256, 256)]
+    weights = [quantized(n, 1024, generator) for n in (1024, 256, 256)]
     packed, scale, gs = (list(t) for t in zip(*weights))
     chooser = kernels.KernelChooser(autotune=True)
     for m in (16, 64, 200):
@@ -242,8 +229,8 @@ def test_chooser_offers_the_tiled_kernel_through_the_ops():
         chooser.choose(x, *weights[0])
         chooser.choose_group(x, weights)
         assert (
-            relative_error(_reference(x, weights[:1], [None]), torch.ops.trl_qerl.nvfp4_linear(x, *weights[0]))
+            relative_error(reference(x, weights[:1], [None]), torch.ops.trl_qerl.nvfp4_linear(x, *weights[0]))
             < TOLERANCE
         )
         out = torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, [None] * 3)
-        assert relative_error(_reference(x, weights, [None] * 3), out) < TOLERANCE
+        assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE

@@ -238,42 +238,40 @@ __device__ __forceinline__ void load_stage(Stage<MT, NT, PREFETCH_X>& st, const 
   }
 }
 
-template <int MT, int NT, bool BF16, bool PREFETCH_X, bool TAIL>
-__device__ __forceinline__ void compute_stage(const Stage<MT, NT, PREFETCH_X>& st, float (&acc)[MT][NT][4],
-                                              const LanePointers<MT, NT>& p, int kb, bool live) {
+// The MMAs of one 128-column block, shared by both kernels. Lane (g, t) holds, for rows g and g + 8 of each m tile,
+// its 16 bytes of codes `w` (columns 32t..32t+31) and their two FP8 block scales `scales` (low byte first);
+// `activations(nt, word)` returns token g of n tile nt's 8 activations of columns 32t + 8 word ... (16 bytes).
+template <int MT, int NT, bool BF16, typename Activations>
+__device__ __forceinline__ void multiply_block(const uint4 (&w)[MT][2], const u32 (&scales)[MT][2],
+                                               float (&acc)[MT][NT][4], Activations activations) {
   u32 scale[MT][2][2];  // [m tile][row half][group]
   #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float lo, hi;
-      e4m3x2_to_float(st.s[mt][h], lo, hi);
+      e4m3x2_to_float(scales[mt][h], lo, hi);
       scale[mt][h][0] = scale_pair<BF16>(lo);
       scale[mt][h][1] = scale_pair<BF16>(hi);
     }
   }
   #pragma unroll
-  for (int w = 0; w < 4; ++w) {
+  for (int word = 0; word < 4; ++word) {
     u32 a[MT][2][4];  // [m tile][row half][pair]
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint4 v = st.w[mt][h];
-        const u32 q = w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+        const uint4 v = w[mt][h];
+        const u32 q = word == 0 ? v.x : word == 1 ? v.y : word == 2 ? v.z : v.w;
         decode_word<BF16>(q, a[mt][h]);
         #pragma unroll
-        for (int i = 0; i < 4; ++i) a[mt][h][i] = mul2<BF16>(a[mt][h][i], scale[mt][h][w >> 1]);
+        for (int i = 0; i < 4; ++i) a[mt][h][i] = mul2<BF16>(a[mt][h][i], scale[mt][h][word >> 1]);
       }
     }
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      uint4 xv;
-      if (PREFETCH_X) {
-        xv = st.x[PREFETCH_X ? nt : 0][w];
-      } else {
-        xv = (!TAIL || live) ? load_cached(p.x[nt] + kb * 16 + w) : make_uint4(0u, 0u, 0u, 0u);
-      }
+      const uint4 xv = activations(nt, word);
       // activations in the order of the decoded pairs: (x0,x4), (x1,x5), (x2,x6), (x3,x7)
       const u32 b0 = prmt(xv.x, xv.z, 0x5410u), b1 = prmt(xv.x, xv.z, 0x7632u);
       const u32 b2 = prmt(xv.y, xv.w, 0x5410u), b3 = prmt(xv.y, xv.w, 0x7632u);
@@ -286,6 +284,28 @@ __device__ __forceinline__ void compute_stage(const Stage<MT, NT, PREFETCH_X>& s
   }
 }
 
+template <int MT, int NT, bool BF16, bool PREFETCH_X, bool TAIL>
+__device__ __forceinline__ void compute_stage(const Stage<MT, NT, PREFETCH_X>& st, float (&acc)[MT][NT][4],
+                                              const LanePointers<MT, NT>& p, int kb, bool live) {
+  multiply_block<MT, NT, BF16>(st.w, st.s, acc, [&](int nt, int word) {
+    if (PREFETCH_X) return st.x[PREFETCH_X ? nt : 0][word];
+    return (!TAIL || live) ? load_cached(p.x[nt] + kb * 16 + word) : make_uint4(0u, 0u, 0u, 0u);
+  });
+}
+
+// The weight segment (one matrix of a q/k/v or gate/up launch) that row tile blockIdx.y belongs to, its row count and
+// the tile's first row in it.
+struct RowTile {
+  int segment, rows, row0;
+};
+
+__device__ __forceinline__ RowTile row_tile(const Segments& seg, int rows_per_tile) {
+  int s = 0;
+  #pragma unroll
+  for (int i = 1; i < MAX_SEGMENTS; ++i) s += (i < seg.count && (int)blockIdx.y >= seg.tile_start[i]) ? 1 : 0;
+  return {s, seg.rows[s], ((int)blockIdx.y - seg.tile_start[s]) * rows_per_tile};
+}
+
 template <int MT, int NT, int KW, bool BF16>
 __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
                                                             u16* __restrict__ out, int ldo, Segments seg) {
@@ -294,11 +314,7 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
 
-  int s = 0;
-  #pragma unroll
-  for (int i = 1; i < MAX_SEGMENTS; ++i) s += (i < seg.count && (int)blockIdx.y >= seg.tile_start[i]) ? 1 : 0;
-  const int rows = seg.rows[s];
-  const int row0 = ((int)blockIdx.y - seg.tile_start[s]) * ROWS;
+  const auto [s, rows, row0] = row_tile(seg, ROWS);
   const int tok0 = blockIdx.x * TOKENS;
   const int k_vectors = K >> 5;  // 16-byte vectors (32 codes) per weight row, also byte pairs per scale row
 
@@ -473,11 +489,7 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  int s = 0;
-  #pragma unroll
-  for (int i = 1; i < MAX_SEGMENTS; ++i) s += (i < seg.count && (int)blockIdx.y >= seg.tile_start[i]) ? 1 : 0;
-  const int rows = seg.rows[s];
-  const int row0 = ((int)blockIdx.y - seg.tile_start[s]) * ROWS;
+  const auto [s, rows, row0] = row_tile(seg, ROWS);
   const int tok0 = blockIdx.x * TOKENS;
   const int blocks = K >> 7;
   const int per_split = (blocks + gridDim.z - 1) / gridDim.z;
@@ -556,47 +568,21 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
     copy_async_commit();
 
     const unsigned char* stage = smem + (i % STAGES) * L::STAGE;
-    uint4 wv[MT][2];
-    u32 scale[MT][2][2];
+    uint4 w[MT][2];
+    u32 scales[MT][2];
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = warp_row + mt * 16 + h * 8 + g;
-        wv[mt][h] = *reinterpret_cast<const uint4*>(stage + r * 64 + t * 16);
-        float lo, hi;
-        e4m3x2_to_float(*reinterpret_cast<const u16*>(stage + L::CODES + r * 8 + t * 2), lo, hi);
-        scale[mt][h][0] = scale_pair<BF16>(lo);
-        scale[mt][h][1] = scale_pair<BF16>(hi);
+        w[mt][h] = *reinterpret_cast<const uint4*>(stage + r * 64 + t * 16);
+        scales[mt][h] = *reinterpret_cast<const u16*>(stage + L::CODES + r * 8 + t * 2);
       }
     }
     const unsigned char* xs = stage + L::CODES + L::SCALES;
-    #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      u32 a[MT][2][4];
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint4 v = wv[mt][h];
-          const u32 q = w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
-          decode_word<BF16>(q, a[mt][h]);
-          #pragma unroll
-          for (int j = 0; j < 4; ++j) a[mt][h][j] = mul2<BF16>(a[mt][h][j], scale[mt][h][w >> 1]);
-        }
-      }
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint4 xv = *reinterpret_cast<const uint4*>(xs + nt * 8 * 256 + x_offset[w]);
-        const u32 b0 = prmt(xv.x, xv.z, 0x5410u), b1 = prmt(xv.x, xv.z, 0x7632u);
-        const u32 b2 = prmt(xv.y, xv.w, 0x5410u), b3 = prmt(xv.y, xv.w, 0x7632u);
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma<BF16>(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], b0, b1);
-          mma<BF16>(acc[mt][nt], a[mt][0][2], a[mt][1][2], a[mt][0][3], a[mt][1][3], b2, b3);
-        }
-      }
-    }
+    multiply_block<MT, NT, BF16>(w, scales, acc, [&](int nt, int word) {
+      return *reinterpret_cast<const uint4*>(xs + nt * 8 * 256 + x_offset[word]);
+    });
   }
   copy_async_wait<0>();
   __syncthreads();  // the stages are free: the epilogue tile reuses them
