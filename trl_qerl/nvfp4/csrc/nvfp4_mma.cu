@@ -598,8 +598,8 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
       bias_of[mt][h] = (bias != nullptr && row < rows) ? input_to_float<BF16>(bias[row]) : 0.0f;
     }
 
-  if (partial == nullptr) {
-    u16* tile = reinterpret_cast<u16*>(smem);
+  // This lane's scaled sums (acc * factor + bias) into a shared [TOKENS][stride] tile, through `convert`.
+  auto stage_outputs = [&](auto* tile, int stride, auto convert) {
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
       #pragma unroll
@@ -607,9 +607,14 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = warp_row + mt * 16 + g + (i >> 1) * 8, token = nt * 8 + 2 * t + (i & 1);
-          tile[token * L::OUT_STRIDE + r] = round_to_output<BF16>(acc[mt][nt][i] * factor + bias_of[mt][i >> 1]);
+          tile[token * stride + r] = convert(acc[mt][nt][i] * factor + bias_of[mt][i >> 1]);
         }
     __syncthreads();
+  };
+
+  if (partial == nullptr) {
+    u16* tile = reinterpret_cast<u16*>(smem);
+    stage_outputs(tile, L::OUT_STRIDE, [](float v) { return round_to_output<BF16>(v); });
     u16* dst = out + seg.col_start[s] + row0;
     const int valid_rows = min(ROWS, rows - row0);
     const bool vector = ((seg.col_start[s] + row0) % 8 == 0) && (ldo % 8 == 0) &&
@@ -627,16 +632,7 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
     }
   } else {
     float* tile = reinterpret_cast<float*>(smem);
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = warp_row + mt * 16 + g + (i >> 1) * 8, token = nt * 8 + 2 * t + (i & 1);
-          tile[token * L::PARTIAL_STRIDE + r] = acc[mt][nt][i] * factor + bias_of[mt][i >> 1];
-        }
-    __syncthreads();
+    stage_outputs(tile, L::PARTIAL_STRIDE, [](float v) { return v; });
     // partial is [splits][M][ldo] fp32; this split's slice, the segment's columns
     float* dst = partial + (u64)blockIdx.z * M * ldo + seg.col_start[s] + row0;
     const int valid_rows = min(ROWS, rows - row0);
