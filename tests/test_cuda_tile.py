@@ -82,6 +82,7 @@ def test_candidates_cover_the_rows_fit_twice_and_split_only_small_grids(m, n, k)
 
 def test_candidates_only_where_the_tiled_kernel_applies():
     assert kernels.tile_candidates(8, 4608, 3584, None, 132) == []  # decode rows: the decode kernel's
+    assert kernels.tile_candidates(1024, 4608, 3584, None, 132) == []  # from 1024 rows: dequantise + cuBLAS
     assert kernels.tile_candidates(64, 4608, 3584 + 32, None, 132) == []  # K % 128 != 0
     assert kernels.tile_candidates(64, 4608, 3584, None, 132)
     weight = quantize(torch.randn(32, 256))

@@ -581,8 +581,8 @@ def _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
 class DequantChunks:
     """Dequantise the rows of one weight, or of a group read by the same activations (q/k/v, gate/up), ``chunk_mb``
     MB of 16-bit rows at a time into one reused buffer and multiply each chunk with cuBLAS straight into its columns
-    of the output. A chunk small enough for L2 is read back from there instead of making a round trip through HBM;
-    ``chunk_mb=0`` dequantises all rows at once (one cuBLAS call for a whole group)."""
+    of the output: the temporary stays bounded instead of a 16-bit copy of the whole layer. ``chunk_mb=0``
+    dequantises all rows at once (for a group: one cuBLAS call instead of one per weight)."""
 
     chunk_mb: int
 
@@ -626,8 +626,9 @@ Choice = FusedConfig | MMAConfig | TileConfig | DequantChunks | str
 
 MMA_MAX_ROWS = 512
 """Row counts up to which the CUDA decode kernel is a candidate (it re-reads the weights for every 64 rows)."""
-TILE_ROWS = (16, 1024)
-"""Row counts (buckets) for which the CUDA tiled kernel is a candidate."""
+TILE_ROWS = (16, 512)
+"""Row counts (buckets) for which the CUDA tiled kernel is a candidate (at 1024 rows it took 2-2.5x dequantise +
+cuBLAS on the H200, 7B shapes)."""
 
 
 def tile_candidates(bucket: int, n: int, k: int, device: torch.device | None, num_sms: int) -> list[TileConfig]:
@@ -789,7 +790,6 @@ class KernelChooser:
         configs = cuda_mma.candidate_configs(rows, n, k) if rows <= MMA_MAX_ROWS else []
         calls = {c: functools.partial(cuda_mma.matmul, probe, weights, c) for c in configs}
         if cuda_mma.supports_tile(probe, weights):
-            num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             for config in tile_candidates(m_bucket(rows), n, k, x.device, num_sms):
                 calls[config] = functools.partial(cuda_mma.tile_matmul, probe, weights, config)
         for chunk in chunked_candidates(m_bucket(rows), n, k, group=True):
