@@ -541,13 +541,7 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
     }
   };
 
-  float acc[MT][NT][4];
-  #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-    #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+  float acc[MT][NT][4] = {};
 
   // Per-lane offsets inside a stage: its weight rows, and the slots of its four 16-byte activation chunks.
   const int warp_row = warp * 16 * MT;
