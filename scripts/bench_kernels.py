@@ -258,8 +258,6 @@ def precompile(models: list[str], shapes: list[str], rows: list[int], processes:
                 for choice in kernels.candidate_configs(bucket, n, k, num_sms, mma=True, device=torch.device("cuda")):
                     if isinstance(choice, (cuda_mma.MMAConfig, cuda_mma.TileConfig)):
                         names.add(choice.name_expression(torch.bfloat16))
-                if bucket <= kernels.MMA_MAX_ROWS:
-                    names.update(c.name_expression(torch.bfloat16) for c in cuda_mma.candidate_configs(bucket, n, k))
     names.add(cuda_mma._reduce_name(torch.bfloat16))
     with ProcessPoolExecutor(processes) as pool:
         list(pool.map(_build, [(name, f"sm_{major}{minor}") for name in sorted(names)]))

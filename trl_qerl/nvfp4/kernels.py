@@ -847,34 +847,41 @@ def _fastest_call(
     return min(timings, key=timings.get) if timings else None
 
 
-_CUDA_KINDS = {"mma": MMAConfig, "tile": TileConfig, "dequant_chunks": DequantChunks}
+_TAGGED_CHOICES = {"mma": MMAConfig, "tile": TileConfig, "dequant_chunks": DequantChunks}
 
 
 def _choice_to_json(choice: Choice):
     if isinstance(choice, str):
         return choice
-    kind = next((name for name, cls in _CUDA_KINDS.items() if isinstance(choice, cls)), None)
+    kind = next((name for name, cls in _TAGGED_CHOICES.items() if isinstance(choice, cls)), None)
     return {"kernel": kind, **asdict(choice)} if kind else asdict(choice)
 
 
 def _choice_from_json(entry) -> Choice:
     if isinstance(entry, str):
         return entry
-    if entry.get("kernel") in _CUDA_KINDS:
-        return _CUDA_KINDS[entry["kernel"]](**{key: value for key, value in entry.items() if key != "kernel"})
+    if entry.get("kernel") in _TAGGED_CHOICES:
+        return _TAGGED_CHOICES[entry["kernel"]](**{key: value for key, value in entry.items() if key != "kernel"})
     return FusedConfig(**entry)
 
 
 def run(x, weight_packed, weight_scale, weight_global_scale, choice: Choice) -> torch.Tensor:
     if choice == DEQUANT_CUBLAS:
         return _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
+    out = _run_on_weights(x, [(weight_packed, weight_scale, weight_global_scale)], [None], choice)
+    return out if out is not None else fused_matmul(x, weight_packed, weight_scale, weight_global_scale, choice)
+
+
+def _run_on_weights(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None], choice: Choice):
+    """``cat([x @ W_i.T + b_i], dim=1)`` by a choice that takes a list of weights (one weight, or a q/k/v or gate/up
+    group in one launch): the CUDA kernels and `DequantChunks`; None for any other choice."""
     if isinstance(choice, MMAConfig):
-        return cuda_mma.matmul(x, [(weight_packed, weight_scale, weight_global_scale)], choice)
+        return cuda_mma.matmul(x, weights, choice, biases)
     if isinstance(choice, TileConfig):
-        return cuda_mma.tile_matmul(x, [(weight_packed, weight_scale, weight_global_scale)], choice)
+        return cuda_mma.tile_matmul(x, weights, choice, biases)
     if isinstance(choice, DequantChunks):
-        return dequantize_in_chunks(x, [(weight_packed, weight_scale, weight_global_scale)], [None], choice)
-    return fused_matmul(x, weight_packed, weight_scale, weight_global_scale, choice)
+        return dequantize_in_chunks(x, weights, biases, choice)
+    return None
 
 
 CHOOSER = KernelChooser()
@@ -930,17 +937,15 @@ def _separate_products(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[t
 
 def grouped_linear(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """``torch.cat([x @ W_i.T + b_i], dim=1)`` for weights that read the same activations (q/k/v, gate/up): one
-    launch of the CUDA decode kernel where that is fastest, else one product per weight."""
+    launch of a CUDA kernel or one dequantised buffer where that is fastest, else one product per weight."""
     if mma_usable(x, weights):
         try:
             choice = CHOOSER.choose_group(x, weights)
-            bias = [b.to(x.dtype) if b is not None else None for b in biases]
-            if isinstance(choice, MMAConfig):
-                return cuda_mma.matmul(x, weights, choice, bias)
-            if isinstance(choice, TileConfig) and cuda_mma.supports_tile(x, weights):
-                return cuda_mma.tile_matmul(x, weights, choice, bias)
-            if isinstance(choice, DequantChunks):
-                return dequantize_in_chunks(x, weights, bias, choice)
+            if _applies(choice, x, weights, mma=True):
+                bias = [b.to(x.dtype) if b is not None else None for b in biases]
+                out = _run_on_weights(x, weights, bias, choice)
+                if out is not None:
+                    return out
         except nvrtc.NVRTCError as error:
             _mma_failed(x, str(error).splitlines()[0][:300])
     return _separate_products(x, weights, biases)
