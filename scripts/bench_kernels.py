@@ -20,7 +20,8 @@ rotated over enough copies that each kind of weight exceeds 3x the L2 cache, med
 Bandwidth counts the bytes that must move (weights once, activations in and out) and is compared with a measured
 device-to-device copy. Every point also checks our product against a float64 reference (``rel_err``). ``--sweep``
 also times every instance of the CUDA decode kernel for M <= 512 (and ``--variants`` compile-time switches of its
-source) and of the tiled kernel. ``--retune ROWS`` ignores the shipped kernel choices (``nvfp4/tuned/``) from
+source), of the tiled kernel and of the wgmma kernel (with the ``--variants`` too: ``NVFP4_WGMMA_PROFILE=1`` times it
+without the decode). ``--retune ROWS`` ignores the shipped kernel choices (``nvfp4/tuned/``) from
 that row bucket on, so every candidate is timed again (save them with ``--choices``); ``--precompile N`` builds
 the CUDA kernels' candidate instances in N processes first (NVRTC's disk cache), which keeps compile time out of
 the first timings.
@@ -42,7 +43,7 @@ import triton
 import triton.language as tl
 from model_shapes import linear_shapes
 
-from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc
+from trl_qerl.nvfp4 import cuda_mma, cuda_wgmma, kernels, nvrtc
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error, shared_global_scale
 
 
@@ -232,11 +233,20 @@ def bench_point(layer: Layer, rows: int, variants: list[str], pdl: bool = False)
     if variants and cuda_mma.supports_tile(x, layer.members[0]):
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         for config in kernels.tile_candidates(kernels.m_bucket(rows), n, k, x.device, num_sms):
-            calls = [lambda m=m, c=config: cuda_mma.tile_matmul(x, m, c) for m in layer.members]
-            try:
-                result.setdefault("sweep_s", {})[str(config)] = graph_time(calls, repeats=7)
-            except RuntimeError as error:
-                result.setdefault("sweep_s", {})[str(config)] = repr(error)[:200]
+            # the wgmma kernel's source switches too (e.g. NVFP4_WGMMA_PROFILE=1: no decode, wrong products)
+            for variant in variants if isinstance(config, cuda_wgmma.WgmmaConfig) else [""]:
+                options = tuple(f"-D{define}" for define in variant.split(",") if define)
+                calls = [
+                    (lambda m=m, c=config, o=options: cuda_wgmma.wgmma_matmul(x, m, c, options=o))
+                    if isinstance(config, cuda_wgmma.WgmmaConfig)
+                    else (lambda m=m, c=config: cuda_mma.tile_matmul(x, m, c))
+                    for m in layer.members
+                ]
+                label = f"{variant}|{config}" if variant else str(config)
+                try:
+                    result.setdefault("sweep_s", {})[label] = graph_time(calls, repeats=7)
+                except RuntimeError as error:
+                    result.setdefault("sweep_s", {})[label] = repr(error)[:200]
     return result
 
 
@@ -256,11 +266,12 @@ def precompile(models: list[str], shapes: list[str], rows: list[int], processes:
             for m in rows:
                 bucket = kernels.m_bucket(m)
                 for choice in kernels.candidate_configs(bucket, n, k, num_sms, mma=True, device=torch.device("cuda")):
-                    if isinstance(choice, (cuda_mma.MMAConfig, cuda_mma.TileConfig)):
-                        names.add(choice.name_expression(torch.bfloat16))
-    names.add(cuda_mma._reduce_name(torch.bfloat16))
+                    if hasattr(choice, "name_expression"):  # the CUDA kernels' configs
+                        arch = f"sm_{major}{minor}" + ("a" if getattr(choice, "arch_specific", False) else "")
+                        names.add((choice.name_expression(torch.bfloat16), arch))
+    names.add((cuda_mma.reduce_name(torch.bfloat16), f"sm_{major}{minor}"))
     with ProcessPoolExecutor(processes) as pool:
-        list(pool.map(_build, [(name, f"sm_{major}{minor}") for name in sorted(names)]))
+        list(pool.map(_build, sorted(names)))
     return time.time() - start
 
 
@@ -327,6 +338,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             if args.json:
                 _write(args.json, props.name, bandwidth, results)
+            if args.choices:  # (per shape: a run cut short keeps what it timed)
+                kernels.CHOOSER.save(args.choices)
     if args.json:
         _write(args.json, props.name, bandwidth, results)
     if args.choices:

@@ -38,8 +38,9 @@ def opcodes(sass: str) -> list[str]:
             for text in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]  # fmt: skip
 
 
-def main_loop(sass: str) -> list[str]:
-    """Opcodes of the innermost loop that holds MMAs: from a backward branch's target to the branch."""
+def main_loop(sass: str, mma: str = "HMMA") -> list[str]:
+    """Opcodes of the innermost loop that holds MMAs (opcodes starting with ``mma``): from a backward branch's
+    target to the branch."""
     lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     opcode = [(address, text.split()[1] if text.startswith("@") else text.split()[0]) for address, text in lines]
     loops = []
@@ -48,7 +49,7 @@ def main_loop(sass: str) -> list[str]:
         if target and int(target.group(1), 16) < address:
             start = int(target.group(1), 16)
             body = [op for a, op in opcode if start <= a <= address]
-            if any(op.startswith("HMMA") for op in body):
+            if any(op.startswith(mma) for op in body):
                 loops.append(body)
     assert loops, "no loop with MMAs found"
     return min(loops, key=len)

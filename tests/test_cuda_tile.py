@@ -109,7 +109,7 @@ def test_kernel_cross_compiles_for_each_target(arch):
         for config in BUILD_CONFIGS:
             cubin, name = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(dtype), arch)
             assert cubin[:4] == b"\x7fELF" and name.startswith("_Z17nvfp4_tile_kernel")
-        cubin, name = nvrtc.compile_cubin(cuda_mma.source(), cuda_mma._reduce_name(dtype), arch)
+        cubin, name = nvrtc.compile_cubin(cuda_mma.source(), cuda_mma.reduce_name(dtype), arch)
         assert name.startswith("_Z25nvfp4_split_reduce_kernel")
 
 

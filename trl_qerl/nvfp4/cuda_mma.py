@@ -25,7 +25,8 @@ import torch
 from . import nvrtc
 
 
-SOURCE_PATH = Path(__file__).parent / "csrc" / "nvfp4_mma.cu"
+SOURCE_PATHS = (Path(__file__).parent / "csrc" / "nvfp4_mma.cu", Path(__file__).parent / "csrc" / "nvfp4_wgmma.cu")
+"""The kernels' source: the mma.sync kernels and their helpers, then the wgmma kernel that uses them."""
 MAX_SEGMENTS = 3
 TOKENS_PER_N_TILE = 8
 ROWS_PER_M_TILE = 16
@@ -35,7 +36,7 @@ _SHARED_MEMORY_LIMIT = 48 * 1024  # static shared memory of one CTA: KW x tokens
 
 @functools.cache
 def source() -> str:
-    return SOURCE_PATH.read_text()
+    return "\n".join(path.read_text() for path in SOURCE_PATHS)
 
 
 @dataclass(frozen=True)
@@ -124,17 +125,18 @@ def supports(x: torch.Tensor, weights: Sequence[Weight]) -> bool:
     return True
 
 
-def kernel(config: MMAConfig | TileConfig | str, dtype: torch.dtype, device: torch.device,
-           options: tuple[str, ...] = ()):  # fmt: skip
+def kernel(config, dtype: torch.dtype, device: torch.device, options: tuple[str, ...] = ()):
     """The compiled instance for ``device`` (raises `nvrtc.NVRTCError` if it cannot be built or loaded): a config's
-    kernel, or a name expression of the source. ``options`` are extra NVRTC flags, e.g. the source's
+    kernel (anything with ``name_expression(dtype)``; an ``arch_specific`` attribute asks for the ``sm_XYa``
+    target), or a name expression of the source. ``options`` are extra NVRTC flags, e.g. the source's
     ``-DNVFP4_DEPTH=2`` switches (for benchmarks)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     name = config if isinstance(config, str) else config.name_expression(dtype)
-    return nvrtc.CudaKernel.get(source(), name, index, tuple(options))
+    arch_specific = getattr(config, "arch_specific", False)
+    return nvrtc.CudaKernel.get(source(), name, index, tuple(options), arch_specific=arch_specific)
 
 
-def _segments(weights: Sequence[Weight], biases: Sequence[torch.Tensor | None], rows_per_tile: int):
+def segments_of(weights: Sequence[Weight], biases: Sequence[torch.Tensor | None], rows_per_tile: int):
     """(`_Segments` of the weights, number of row tiles of ``rows_per_tile``, total rows)."""
     segments = _Segments()
     tiles = col = 0
@@ -164,7 +166,7 @@ def matmul(
     Callers check `supports` first. ``biases`` (one per weight, or None) are in ``x.dtype``."""
     m, k = x.shape
     biases = list(biases) if biases is not None else [None] * len(weights)
-    segments, tiles, total = _segments(weights, biases, config.rows)
+    segments, tiles, total = segments_of(weights, biases, config.rows)
     if out is None:
         out = torch.empty(m, total, device=x.device, dtype=x.dtype)
     grid = (-(-m // config.tokens), tiles, 1)
@@ -288,9 +290,26 @@ def tile_matmul(
     """`matmul` with the tiled kernel (plus, when ``config.split_k > 1``, one launch that adds the partial sums).
 
     Callers check `supports_tile` first."""
+    return launch_tiled(x, weights, config, 32 * config.warps, biases, out)
+
+
+def launch_tiled(
+    x: torch.Tensor,
+    weights: Sequence[Weight],
+    config,
+    threads: int,
+    biases: Sequence[torch.Tensor | None] | None = None,
+    out: torch.Tensor | None = None,
+    extra_args: tuple = (),
+    options: tuple[str, ...] = (),
+) -> torch.Tensor:
+    """The launch of a tiled kernel (`TileConfig`, `cuda_wgmma.WgmmaConfig`: anything with ``rows``, ``tokens``,
+    ``split_k``, ``shared_memory_bytes`` and a name expression) with ``threads`` per CTA: kernel arguments
+    ``(x, M, K, ldx, out, ldo, partial, segments, *extra_args)``, a CTA per (token tile, row tile, K split), and,
+    when K is split, the launch that adds the fp32 partial sums in split order."""
     m, k = x.shape
     biases = list(biases) if biases is not None else [None] * len(weights)
-    segments, tiles, total = _segments(weights, biases, config.rows)
+    segments, tiles, total = segments_of(weights, biases, config.rows)
     if out is None:
         out = torch.empty(m, total, device=x.device, dtype=x.dtype)
     split = min(config.split_k, k // 128)
@@ -298,13 +317,13 @@ def tile_matmul(
     args = [
         ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)),
-        ctypes.c_void_p(partial.data_ptr() if partial is not None else None), segments,
+        ctypes.c_void_p(partial.data_ptr() if partial is not None else None), segments, *extra_args,
     ]  # fmt: skip
-    build = kernel(config, x.dtype, x.device)
+    build = kernel(config, x.dtype, x.device, options)
     grid = (-(-m // config.tokens), tiles, split)
-    build.launch(grid, (32 * config.warps, 1, 1), args, shared_memory=config.shared_memory_bytes)
+    build.launch(grid, (threads, 1, 1), args, shared_memory=config.shared_memory_bytes)
     if partial is not None:
-        reduce = kernel(_reduce_name(x.dtype), x.dtype, x.device)
+        reduce = kernel(reduce_name(x.dtype), x.dtype, x.device)
         reduce_args = [
             ctypes.c_void_p(partial.data_ptr()), ctypes.c_int(split), ctypes.c_int(m), ctypes.c_int(total),
             ctypes.c_int(out.stride(0)), ctypes.c_void_p(out.data_ptr()),
@@ -313,7 +332,8 @@ def tile_matmul(
     return out
 
 
-def _reduce_name(dtype: torch.dtype) -> str:
+def reduce_name(dtype: torch.dtype) -> str:
+    """Name expression of the split-K reduction kernel for ``dtype`` outputs."""
     return f"nvfp4_split_reduce_kernel<{'true' if dtype == torch.bfloat16 else 'false'}>"
 
 

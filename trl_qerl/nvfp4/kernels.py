@@ -11,6 +11,8 @@ Kernels:
   inside the CTA (one launch), up to three weights per launch;
 * the CUDA tiled kernel (same source and launcher, `cuda_mma.TileConfig`): 16 to a few hundred rows, activations
   staged in shared memory once per CTA through a cp.async pipeline and reused by every warp's weight rows;
+* the Hopper wgmma kernel (`cuda_wgmma`, source `csrc/nvfp4_wgmma.cu`, sm_90a): 64 to a few hundred rows, the same
+  staging, activations read by the tensor cores from shared memory once per warpgroup;
 * `_nvfp4_matmul_kernel` (Triton): ``out = x @ dequant(W).T`` with the packed E2M1 weights and FP8 block scales
   read once and dequantised in registers, fp32 accumulation, the global scale applied in the epilogue. It computes
   the transposed product ``W_tile @ x_tile.T`` so that the weight tile is the register-side MMA operand and a
@@ -46,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cuda_mma, nvrtc
+from . import cuda_mma, cuda_wgmma, nvrtc
 from .cuda_mma import MMAConfig, TileConfig
+from .cuda_wgmma import WgmmaConfig
 from .format import dequantize
 
 
@@ -620,9 +623,10 @@ def dequantize_in_chunks(x: torch.Tensor, weights: Sequence[cuda_mma.Weight], bi
 
 
 # -- choosing a kernel ----------------------------------------------------------------------------------------
-Choice = FusedConfig | MMAConfig | TileConfig | DequantChunks | str
-"""A Triton tile (`FusedConfig`), an instance of the CUDA decode kernel (`MMAConfig`) or of the CUDA tiled kernel
-(`TileConfig`), a chunked dequantise+cuBLAS (`DequantChunks`), or `DEQUANT_CUBLAS`."""
+Choice = FusedConfig | MMAConfig | TileConfig | WgmmaConfig | DequantChunks | str
+"""A Triton tile (`FusedConfig`), an instance of the CUDA decode kernel (`MMAConfig`), of the CUDA tiled kernel
+(`TileConfig`) or of the Hopper wgmma kernel (`WgmmaConfig`), a chunked dequantise+cuBLAS (`DequantChunks`), or
+`DEQUANT_CUBLAS`."""
 
 MMA_MAX_ROWS = 512
 """Row counts up to which the CUDA decode kernel is a candidate (it re-reads the weights for every 64 rows)."""
@@ -631,14 +635,26 @@ TILE_ROWS = (16, 512)
 cuBLAS on the H200, 7B shapes)."""
 
 
-def tile_candidates(bucket: int, n: int, k: int, device: torch.device | None, num_sms: int) -> list[TileConfig]:
-    """The tiled kernel's instances for this bucket, sized to ``device``'s shared memory (CPU: Hopper's)."""
-    if not TILE_ROWS[0] <= bucket <= TILE_ROWS[1] or k % 128:
+WGMMA_ROWS = (64, 512)
+"""Row counts (buckets) for which the wgmma kernel is a candidate (Hopper only)."""
+
+
+def tile_candidates(bucket: int, n: int, k: int, device: torch.device | None,
+                    num_sms: int) -> list[TileConfig | WgmmaConfig]:  # fmt: skip
+    """The tiled kernel's instances for this bucket, and on Hopper (or on a CPU, for tests) the wgmma kernel's,
+    sized to ``device``'s shared memory (CPU: Hopper's)."""
+    if k % 128:
         return []
-    limit = 227 * 1024
+    limit, hopper = 227 * 1024, True
     if device is not None and device.type == "cuda":
         limit = nvrtc.max_shared_memory_per_block(_device_index(device))
-    return cuda_mma.tile_candidate_configs(bucket, n, k, num_sms, limit)
+        hopper = torch.cuda.get_device_capability(device) == (9, 0)
+    configs: list[TileConfig | WgmmaConfig] = []
+    if TILE_ROWS[0] <= bucket <= TILE_ROWS[1]:
+        configs += cuda_mma.tile_candidate_configs(bucket, n, k, num_sms, limit)
+    if hopper and WGMMA_ROWS[0] <= bucket <= WGMMA_ROWS[1]:
+        configs += cuda_wgmma.wgmma_candidate_configs(bucket, n, k, num_sms, limit)
+    return configs
 
 
 def m_bucket(m: int) -> int:
@@ -773,8 +789,9 @@ class KernelChooser:
         self.choices[key] = self._fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms, mma, timings)
         return self.choices[key]
 
-    def choose_group(self, x, weights: Sequence[cuda_mma.Weight]) -> MMAConfig | TileConfig | DequantChunks | str:
-        """One launch of a CUDA kernel over ``weights`` (an `MMAConfig` or a `TileConfig`), the group dequantised
+    def choose_group(self, x, weights: Sequence[cuda_mma.Weight]) -> Choice:
+        """One launch of a CUDA kernel over ``weights`` (an `MMAConfig`, `TileConfig` or `WgmmaConfig`), the group
+        dequantised
         into one buffer (`DequantChunks`) or `SEPARATE` products, whichever is faster (callers check
         `mma_usable`)."""
         m, k = x.shape
@@ -789,9 +806,9 @@ class KernelChooser:
         probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
         configs = cuda_mma.candidate_configs(rows, n, k) if rows <= MMA_MAX_ROWS else []
         calls = {c: functools.partial(cuda_mma.matmul, probe, weights, c) for c in configs}
-        if cuda_mma.supports_tile(probe, weights):
-            for config in tile_candidates(m_bucket(rows), n, k, x.device, num_sms):
-                calls[config] = functools.partial(cuda_mma.tile_matmul, probe, weights, config)
+        for config in tile_candidates(m_bucket(rows), n, k, x.device, num_sms):
+            if _applies(config, probe, weights, mma=True):
+                calls[config] = functools.partial(_run_on_weights, probe, weights, [None] * len(weights), config)
         for chunk in chunked_candidates(m_bucket(rows), n, k, group=True):
             calls[chunk] = functools.partial(dequantize_in_chunks, probe, weights, [None] * len(weights), chunk)
         calls[SEPARATE] = functools.partial(_separate_products, probe, weights, [None] * len(weights))
@@ -824,9 +841,11 @@ class KernelChooser:
 
 def _applies(choice: Choice, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], mma: bool) -> bool:
     """Whether this call can run ``choice``: the CUDA kernels only where `mma_usable` (``mma``) holds, the tiled one
-    also needs `cuda_mma.supports_tile`."""
+    also needs `cuda_mma.supports_tile`, the wgmma one `cuda_wgmma.supports_wgmma`."""
     if isinstance(choice, TileConfig):
         return mma and cuda_mma.supports_tile(x, weights)
+    if isinstance(choice, WgmmaConfig):
+        return mma and cuda_wgmma.supports_wgmma(x, weights)
     return mma or not isinstance(choice, MMAConfig)
 
 
@@ -847,7 +866,7 @@ def _fastest_call(
     return min(timings, key=timings.get) if timings else None
 
 
-_TAGGED_CHOICES = {"mma": MMAConfig, "tile": TileConfig, "dequant_chunks": DequantChunks}
+_TAGGED_CHOICES = {"mma": MMAConfig, "tile": TileConfig, "wgmma": WgmmaConfig, "dequant_chunks": DequantChunks}
 
 
 def _choice_to_json(choice: Choice):
@@ -879,6 +898,8 @@ def _run_on_weights(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torc
         return cuda_mma.matmul(x, weights, choice, biases)
     if isinstance(choice, TileConfig):
         return cuda_mma.tile_matmul(x, weights, choice, biases)
+    if isinstance(choice, WgmmaConfig):
+        return cuda_wgmma.wgmma_matmul(x, weights, choice, biases)
     if isinstance(choice, DequantChunks):
         return dequantize_in_chunks(x, weights, biases, choice)
     return None

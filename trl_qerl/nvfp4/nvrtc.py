@@ -179,9 +179,11 @@ def cached_cubin(source: str, name_expression: str, arch: str, options: tuple[st
 
 
 # -- launching ------------------------------------------------------------------------------------------------
-def _arch(device_index: int) -> str:
+def _arch(device_index: int, arch_specific: bool = False) -> str:
+    """``sm_XY`` of the device; ``arch_specific``: the target with the architecture's own instructions (``sm_90a``:
+    wgmma), whose cubin runs on that compute capability only."""
     major, minor = torch.cuda.get_device_capability(device_index)
-    return f"sm_{major}{minor}"
+    return f"sm_{major}{minor}" + ("a" if arch_specific and major >= 9 else "")
 
 
 @dataclass
@@ -196,12 +198,15 @@ class CudaKernel:
     more than the default 48 KB."""
 
     @classmethod
-    def get(cls, source: str, name_expression: str, device_index: int, options: tuple[str, ...] = ()) -> CudaKernel:
-        """The kernel for ``device_index``, compiled and loaded once per (source, expression, device)."""
-        key = (hashlib.sha256(source.encode()).hexdigest(), name_expression, device_index, options)
+    def get(cls, source: str, name_expression: str, device_index: int, options: tuple[str, ...] = (),
+            arch_specific: bool = False) -> CudaKernel:  # fmt: skip
+        """The kernel for ``device_index``, compiled and loaded once per (source, expression, device, options);
+        ``arch_specific`` builds for the ``sm_XYa`` target (see `_arch`)."""
+        key = (hashlib.sha256(source.encode()).hexdigest(), name_expression, device_index, options, arch_specific)
         with _LOCK:
             if key not in _KERNELS:
-                cubin, lowered = cached_cubin(source, name_expression, _arch(device_index), options)
+                arch = _arch(device_index, arch_specific)
+                cubin, lowered = cached_cubin(source, name_expression, arch, options)
                 _KERNELS[key] = cls._load(cubin, lowered, device_index)
             return _KERNELS[key]
 
@@ -262,6 +267,37 @@ def max_shared_memory_per_block(device_index: int) -> int:
         "cuDeviceGetAttribute",
     )
     return value.value
+
+
+class TensorMap(ctypes.Structure):
+    """``CUtensorMap`` of cuda.h: 128 opaque bytes (a kernel takes it by value as a ``__grid_constant__``)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+TENSOR_MAP_UINT8, TENSOR_MAP_UINT16 = 0, 1
+"""``CU_TENSOR_MAP_DATA_TYPE_UINT8`` / ``_UINT16`` in cuda.h (the copy moves bits; the kernel knows the type)."""
+SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
+"""``CU_TENSOR_MAP_SWIZZLE_NONE`` / ``_32B`` / ``_64B`` / ``_128B`` in cuda.h, by swizzle span in bytes."""
+
+
+def tensor_map_2d(address: int, data_type: int, element_bytes: int, shape: tuple[int, int], row_stride_bytes: int,
+                  box: tuple[int, int], swizzle_bytes: int = 0) -> TensorMap:  # fmt: skip
+    """A tiled tensor map of a row-major 2-D tensor (``shape`` = (rows, columns), ``box`` = (rows, columns) per
+    copy) for the Tensor Memory Accelerator (sm_90+); boxes past the tensor's edge read zeros. The CUDA driver
+    checks the TMA rules (16-byte aligned address and row stride, box rows <= 256, box row bytes a multiple of 16
+    and at most the swizzle span) and `NVRTCError` names what it refused."""
+    tensor_map = TensorMap()
+    dims = (ctypes.c_uint64 * 2)(shape[1], shape[0])  # innermost first
+    strides = (ctypes.c_uint64 * 1)(row_stride_bytes)
+    box_dims = (ctypes.c_uint32 * 2)(box[1], box[0])
+    element_strides = (ctypes.c_uint32 * 2)(1, 1)
+    result = cuda_driver().cuTensorMapEncodeTiled(
+        ctypes.byref(tensor_map), data_type, 2, ctypes.c_void_p(address), dims, strides, box_dims,
+        element_strides, 0, SWIZZLE[swizzle_bytes], 2, 0,  # no interleave, L2 promotion 128 B, zero fill
+    )  # fmt: skip
+    _check_cuda(result, f"encoding a tensor map of {shape} x {element_bytes} B with boxes of {box}")
+    return tensor_map
 
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6

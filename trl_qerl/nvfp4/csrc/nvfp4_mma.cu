@@ -479,6 +479,57 @@ struct TileLayout {
   static constexpr int PARTIAL_STRIDE = ROWS + 4;  // fp32 partial sums per token row
 };
 
+// The epilogue of the tiled kernels. `output(e, r, token)` returns this thread's e-th output (e < COUNT; scaled,
+// with its bias) and sets its row r in the CTA's tile and its token. They go through shared memory (free by then:
+// the caller waited for its copies and synchronised) so that every global store is 16 bytes wide and coalesced; with
+// `partial` (split-K) they are fp32 sums written to this split's slice [blockIdx.z][M][ldo] instead.
+// (`output` is a plain lambda: NVRTC 13.0 rejects generic lambdas passed to device functions as host functions.)
+template <int ROWS, int TOKENS, int THREADS, int COUNT, bool BF16, typename Output>
+__device__ __forceinline__ void store_tile(unsigned char* smem, u16* __restrict__ out, int ldo,
+                                           float* __restrict__ partial, const Segments& seg, int s, int rows,
+                                           int row0, int tok0, int M, Output output) {
+  using L = TileLayout<ROWS, TOKENS>;
+  const int valid_rows = min(ROWS, rows - row0);
+  if (partial == nullptr) {
+    u16* tile = reinterpret_cast<u16*>(smem);
+    #pragma unroll
+    for (int e = 0; e < COUNT; ++e) {
+      int r, token;
+      const float v = output(e, r, token);
+      tile[token * L::OUT_STRIDE + r] = round_to_output<BF16>(v);
+    }
+    __syncthreads();
+    u16* dst = out + seg.col_start[s] + row0;
+    const bool vector = ((seg.col_start[s] + row0) % 8 == 0) && (ldo % 8 == 0) &&
+                        (reinterpret_cast<u64>(out) % 16 == 0);
+    for (int e = threadIdx.x; e < TOKENS * (ROWS / 8); e += THREADS) {
+      const int token = e / (ROWS / 8), r = (e % (ROWS / 8)) * 8;
+      if (tok0 + token >= M || r >= valid_rows) continue;
+      const u16* src = tile + token * L::OUT_STRIDE + r;
+      u16* o = dst + (u64)(tok0 + token) * ldo + r;
+      if (vector && r + 8 <= valid_rows) {
+        *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int j = 0; j < 8 && r + j < valid_rows; ++j) o[j] = src[j];
+      }
+    }
+  } else {
+    float* tile = reinterpret_cast<float*>(smem);
+    #pragma unroll
+    for (int e = 0; e < COUNT; ++e) {
+      int r, token;
+      const float v = output(e, r, token);
+      tile[token * L::PARTIAL_STRIDE + r] = v;
+    }
+    __syncthreads();
+    float* dst = partial + (u64)blockIdx.z * M * ldo + seg.col_start[s] + row0;
+    for (int e = threadIdx.x; e < TOKENS * ROWS; e += THREADS) {
+      const int token = e / ROWS, r = e % ROWS;
+      if (tok0 + token < M && r < valid_rows) dst[(u64)(tok0 + token) * ldo + r] = tile[token * L::PARTIAL_STRIDE + r];
+    }
+  }
+}
+
 template <int MT, int NT, int WARPS, int STAGES, bool BF16>
 __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __restrict__ x, int M, int K, int ldx,
                                                                 u16* __restrict__ out, int ldo,
@@ -592,49 +643,13 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
       bias_of[mt][h] = (bias != nullptr && row < rows) ? input_to_float<BF16>(bias[row]) : 0.0f;
     }
 
-  // This lane's scaled sums (acc * factor + bias) into a shared [TOKENS][stride] tile, through `convert`.
-  auto stage_outputs = [&](auto* tile, int stride, auto convert) {
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = warp_row + mt * 16 + g + (i >> 1) * 8, token = nt * 8 + 2 * t + (i & 1);
-          tile[token * stride + r] = convert(acc[mt][nt][i] * factor + bias_of[mt][i >> 1]);
-        }
-    __syncthreads();
-  };
-
-  if (partial == nullptr) {
-    u16* tile = reinterpret_cast<u16*>(smem);
-    stage_outputs(tile, L::OUT_STRIDE, [](float v) { return round_to_output<BF16>(v); });
-    u16* dst = out + seg.col_start[s] + row0;
-    const int valid_rows = min(ROWS, rows - row0);
-    const bool vector = ((seg.col_start[s] + row0) % 8 == 0) && (ldo % 8 == 0) &&
-                        (reinterpret_cast<u64>(out) % 16 == 0);
-    for (int e = threadIdx.x; e < TOKENS * (ROWS / 8); e += THREADS) {
-      const int token = e / (ROWS / 8), r = (e % (ROWS / 8)) * 8;
-      if (tok0 + token >= M || r >= valid_rows) continue;
-      const u16* src = tile + token * L::OUT_STRIDE + r;
-      u16* o = dst + (u64)(tok0 + token) * ldo + r;
-      if (vector && r + 8 <= valid_rows) {
-        *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        for (int j = 0; j < 8 && r + j < valid_rows; ++j) o[j] = src[j];
-      }
-    }
-  } else {
-    float* tile = reinterpret_cast<float*>(smem);
-    stage_outputs(tile, L::PARTIAL_STRIDE, [](float v) { return v; });
-    // partial is [splits][M][ldo] fp32; this split's slice, the segment's columns
-    float* dst = partial + (u64)blockIdx.z * M * ldo + seg.col_start[s] + row0;
-    const int valid_rows = min(ROWS, rows - row0);
-    for (int e = threadIdx.x; e < TOKENS * ROWS; e += THREADS) {
-      const int token = e / ROWS, r = e % ROWS;
-      if (tok0 + token < M && r < valid_rows) dst[(u64)(tok0 + token) * ldo + r] = tile[token * L::PARTIAL_STRIDE + r];
-    }
-  }
+  store_tile<ROWS, TOKENS, THREADS, MT * NT * 4, BF16>(
+      smem, out, ldo, partial, seg, s, rows, row0, tok0, M, [&](int e, int& r, int& token) {
+        const int mt = e / (NT * 4), nt = (e / 4) % NT, i = e % 4;  // acc[mt][nt][i]
+        r = warp_row + mt * 16 + g + (i >> 1) * 8;
+        token = nt * 8 + 2 * t + (i & 1);
+        return acc[mt][nt][i] * factor + bias_of[mt][i >> 1];
+      });
 }
 
 // out[m][n] = sum over splits of partial[split][m][n], in split order, rounded once (n < N, out row stride ldo;

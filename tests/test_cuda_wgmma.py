@@ -1,0 +1,276 @@
+"""The Hopper wgmma NVFP4 kernel (`nvfp4_wgmma_kernel` in `csrc/nvfp4_wgmma.cu`, launched by `cuda_wgmma`).
+
+Without a GPU: configurations are validated and sized as the source lays out its shared memory, the candidates fit
+the shared memory and the accumulators fit the registers, every candidate builds for sm_90a without local memory
+or serialised wgmma, its main loop is one 128-column block of register-A HGMMAs within an instruction budget, and
+builds for other targets carry no wgmma. On an H100/H200: every candidate and extra instance against a float64
+reference on random inputs (row counts that are not multiples of a tile, tokens past a CTA column, K split over
+CTAs, bf16 and fp16), q/k/v in one launch with biases into a wider output, deterministic split-K sums, CUDA-graph
+replays, and the chooser offering it through the custom ops. Tolerance (METHOD.md): 16-bit operands with fp32
+accumulation, relative error below 1e-2.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from _cuda_cases import poisoned_out, quantized, reference
+from _sass import cuobjdump, main_loop, resources_of, sass_of
+
+from trl_qerl.nvfp4 import cuda_mma, cuda_wgmma, kernels, nvrtc
+from trl_qerl.nvfp4.cuda_wgmma import WgmmaConfig
+from trl_qerl.nvfp4.format import relative_error
+from trl_qerl.nvfp4.nvrtc import NVRTCError
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a compute capability 9.0 GPU (H100/H200)")
+TOLERANCE = 1e-2
+SHAPES = [(4608, 3584), (3584, 18944), (37888, 3584), (3584, 3584)]
+
+
+def _nvrtc_loads() -> bool:
+    try:
+        nvrtc.nvrtc()
+    except NVRTCError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_loads(), reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
+
+
+def _all_candidates() -> list[WgmmaConfig]:
+    """Every instance (without its K split) the chooser may time for 7B/32B-like shapes."""
+    found = {}
+    for m in (64, 128, 256, 512):
+        for n, k in SHAPES:
+            for c in cuda_wgmma.wgmma_candidate_configs(m, n, k):
+                unsplit = WgmmaConfig(c.warpgroups, c.m64_tiles, c.tokens, c.stages)
+                found[str(unsplit)] = unsplit
+    return list(found.values())
+
+
+# -- without a GPU --------------------------------------------------------------------------------------------
+def test_configs_are_validated_and_sized_as_the_source_lays_them_out():
+    for bad in ((3, 1, 64, 4), (2, 3, 64, 4), (2, 1, 32, 4), (2, 1, 64, 2), (2, 2, 256, 3)):
+        with pytest.raises(ValueError):
+            WgmmaConfig(*bad)
+    config = WgmmaConfig(2, 1, 128, 4)
+    assert (config.rows, config.threads) == (128, 256)
+    # per stage: 256 bytes of activations per token, 64 bytes of codes and 8 of scales per row, in whole KB
+    assert config.stage_bytes == 128 * 256 + 128 * 72 == 41 * 1024
+    assert config.shared_memory_bytes == 4 * (config.stage_bytes + 8) + 1024  # mbarriers, 1 KB to align the ring
+    small = WgmmaConfig(1, 1, 64, 3, split_k=2)  # the fp32 split-K epilogue tile is larger than the ring
+    assert small.stage_bytes == 21 * 1024 > 64 * 256 + 64 * 72  # rounded up
+    assert small.shared_memory_bytes == max(3 * (small.stage_bytes + 8), 64 * (64 + 4) * 4) + 1024
+    assert config.name_expression(torch.bfloat16) == "nvfp4_wgmma_kernel<2, 1, 128, 4, true>"
+    assert config.name_expression(torch.float16).endswith("false>")
+    assert str(WgmmaConfig(2, 2, 64, 3, split_k=2)) == "wgmma 256r x 64t wg2 s3 split2"
+
+
+@pytest.mark.parametrize("m", [64, 100, 128, 256, 512])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_candidates_fit_and_split_only_small_grids(m, n, k):
+    limit = 227 * 1024
+    candidates = cuda_wgmma.wgmma_candidate_configs(m, n, k, num_sms=132, shared_memory_limit=limit)
+    assert candidates
+    for config in candidates:
+        assert config.tokens < 2 * max(m, 64)
+        assert config.m64_tiles * config.tokens // 2 <= cuda_wgmma.MAX_ACCUMULATORS
+        assert config.shared_memory_bytes <= limit
+        ctas = -(-n // config.rows) * -(-m // config.tokens)
+        if config.split_k > 1:
+            assert ctas * config.split_k // 2 < 132 and k // 128 >= 16 * (config.split_k // 2)
+
+
+def test_chooser_offers_it_for_64_to_512_rows_and_saves_it():
+    def wgmma(bucket, n=4608, k=3584):
+        return [c for c in kernels.tile_candidates(bucket, n, k, None, 132) if isinstance(c, WgmmaConfig)]
+
+    assert not wgmma(16) and not wgmma(1024) and not wgmma(64, k=3584 + 32)
+    assert wgmma(64) and wgmma(512)
+    assert not any(isinstance(c, WgmmaConfig) for c in kernels.candidate_configs(1024, 4608, 3584, mma=True))
+    chooser = kernels.KernelChooser(autotune=False)
+    chooser.choices = {"a": WgmmaConfig(2, 2, 128, 4, split_k=2), "b": cuda_mma.TileConfig(2, 8, 4, 3)}
+    table = {key: kernels._choice_to_json(c) for key, c in chooser.choices.items()}
+    assert table["a"]["kernel"] == "wgmma"
+    assert {key: kernels._choice_from_json(entry) for key, entry in table.items()} == chooser.choices
+
+
+def test_architecture_specific_target_only_on_hopper_and_later(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    assert nvrtc._arch(0, arch_specific=True) == "sm_90a" and nvrtc._arch(0) == "sm_90"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 9))
+    assert nvrtc._arch(0, arch_specific=True) == "sm_89"
+
+
+def _ptxas_log(name: str, arch: str) -> str:
+    """NVRTC's log of a build with ptxas' verbose resource report."""
+    lib = nvrtc.nvrtc()
+    program = ctypes.c_void_p()
+    lib.nvrtcCreateProgram(ctypes.byref(program), cuda_mma.source().encode(), b"k.cu", 0, None, None)
+    try:
+        lib.nvrtcAddNameExpression(program, name.encode())
+        flags = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"-Xptxas=-v", b"-Xptxas=--warn-on-spills"]
+        assert lib.nvrtcCompileProgram(program, len(flags), (ctypes.c_char_p * len(flags))(*flags)) == 0
+        return nvrtc._program_log(program)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_candidate_builds_for_sm90a_without_spills_or_serialised_wgmma(dtype, tmp_path):
+    """No local memory in any candidate; where NVRTC passes on ptxas' report (13.5 does, 13.0 not), no spills and
+    no "wgmma ... serialized" warning."""
+    for config in _all_candidates():
+        name = config.name_expression(dtype)
+        cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90a")
+        resources = resources_of(cubin, tmp_path) if cuobjdump() else {"STACK": 0, "LOCAL": 0}
+        assert resources["STACK"] == 0 and resources["LOCAL"] == 0, (str(config), resources)
+        log = _ptxas_log(name, "sm_90a")
+        assert "serializ" not in log.lower(), (str(config), log[-600:])  # ptxas: "wgmma ... serialized"
+        if "ptxas info" in log:
+            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(config), log[-600:])
+
+
+@needs_nvrtc
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.parametrize("config", [WgmmaConfig(2, 1, 64, 4), WgmmaConfig(2, 1, 128, 5), WgmmaConfig(2, 2, 128, 4)],
+                         ids=str)  # fmt: skip
+def test_hopper_main_loop_is_register_a_wgmma_within_budget(tmp_path, config):
+    """One 128-column block per iteration: 8 k16 steps x m64 tiles of HGMMA with the weights in registers and the
+    activations through a descriptor, the next block's boxes issued by TMA (UTMALDG) and its scales by cp.async
+    (LDGSTS), codes and scales read from shared memory (LDS), no local memory, no shuffles, and at most 60
+    instructions per HGMMA (the decode: ~3 per weight)."""
+    cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(torch.bfloat16), "sm_90a")
+    resources = resources_of(cubin, tmp_path)
+    assert resources["STACK"] == 0 and resources["LOCAL"] == 0, resources
+    sass = sass_of(cubin, tmp_path)
+    loop = main_loop(sass, mma="HGMMA")
+    hgmma = [op for op in loop if op.startswith("HGMMA")]
+    assert len(hgmma) == 8 * config.m64_tiles
+    assert all(op.startswith(f"HGMMA.64x{config.tokens}x16.F32.BF16") for op in hgmma), hgmma[:2]
+    assert any(op.startswith("LDS") for op in loop) and any(op.startswith("LDGSTS") for op in loop)
+    assert any(op.startswith("UTMALDG") for op in loop)
+    assert not [op for op in loop if op.split(".")[0] in ("LDL", "STL", "SHFL", "LDG")]
+    assert len(loop) / len(hgmma) < 60, f"{len(loop)} instructions for {len(hgmma)} HGMMAs"
+
+
+@needs_nvrtc
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+def test_builds_for_other_targets_carry_no_wgmma(tmp_path):
+    """The source (one file with the mma.sync kernels) still builds for every target; outside sm_90a the wgmma
+    kernel is a trap, which the launcher never reaches (`supports_wgmma`)."""
+    name = WgmmaConfig(2, 1, 64, 4).name_expression(torch.bfloat16)
+    for arch in ("sm_80", "sm_89", "sm_90"):
+        cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, arch)
+        sass = sass_of(cubin, tmp_path)
+        assert "HGMMA" not in sass and "BPT.TRAP" in sass, arch
+
+
+# -- on an H100/H200 ------------------------------------------------------------------------------------------
+def _configs(m, n, k):
+    """The candidates plus instances they may not include: one warpgroup, every token width, split K, shallow and
+    deep rings."""
+    extra = [WgmmaConfig(1, 1, 64, 3), WgmmaConfig(2, 2, 64, 3, split_k=3), WgmmaConfig(1, 2, 128, 3, split_k=2),
+             WgmmaConfig(2, 1, 256, 3), WgmmaConfig(1, 1, 256, 3, split_k=2), WgmmaConfig(2, 1, 64, 6)]  # fmt: skip
+    return cuda_wgmma.wgmma_candidate_configs(max(m, 64), n, k) + extra
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 64, 100, 257, 512])
+@pytest.mark.parametrize("n,k", [(200, 384), (512, 3584), (1000, 1024)])
+def test_every_instance_matches_the_reference(dtype, m, n, k):
+    generator = torch.Generator().manual_seed(m * 7 + n + k)
+    weights = [quantized(n, k, generator)]
+    x = torch.randn(m, k, generator=generator).to("cuda", dtype)
+    assert cuda_wgmma.supports_wgmma(x, weights)
+    expected = reference(x, weights, [None])
+    for config in _configs(m, n, k):
+        out = cuda_wgmma.wgmma_matmul(x, weights, config, out=poisoned_out(m, n, dtype))
+        assert torch.isfinite(out).all(), f"{config}: unwritten or non-finite outputs"
+        assert relative_error(expected, out) < TOLERANCE, str(config)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_grouped_launch_with_biases_into_a_wider_output(dtype):
+    """q/k/v in one launch (rows not multiples of a tile, one weight without bias), written into columns of a wider
+    tensor, with and without split K; columns outside are left alone."""
+    generator = torch.Generator().manual_seed(3)
+    k = 768
+    rows = (320, 40, 40)
+    weights = [quantized(n, k, generator) for n in rows]
+    biases = [torch.randn(n, generator=generator).to("cuda", dtype) for n in rows]
+    biases[1] = None
+    for m in (64, 150):
+        x = torch.randn(m, k, generator=generator).to("cuda", dtype)
+        expected = reference(x, weights, biases)
+        for config in (WgmmaConfig(2, 1, 64, 4), WgmmaConfig(2, 2, 128, 4, split_k=2)):
+            wide = torch.full((m, 512), 7.0, device="cuda", dtype=dtype)
+            out = cuda_wgmma.wgmma_matmul(x, weights, config, biases, out=wide[:, :400])
+            assert relative_error(expected, out) < TOLERANCE, str(config)
+            assert torch.equal(wide[:, 400:], torch.full_like(wide[:, 400:], 7.0)), str(config)
+
+
+@needs_hopper
+def test_a_ring_larger_than_the_shared_memory_is_refused_by_name():
+    weights = [quantized(128, 1024, torch.Generator().manual_seed(1))]
+    x = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        cuda_wgmma.wgmma_matmul(x, weights, WgmmaConfig(2, 1, 128, 6))  # 6 x 43 KB
+
+
+@needs_hopper
+def test_split_k_sums_are_deterministic_and_match_one_split():
+    generator = torch.Generator().manual_seed(8)
+    weights = [quantized(256, 4096, generator)]
+    x = torch.randn(96, 4096, generator=generator).to("cuda", torch.bfloat16)
+    split = WgmmaConfig(2, 1, 128, 4, split_k=4)
+    first = cuda_wgmma.wgmma_matmul(x, weights, split)
+    assert all(torch.equal(first, cuda_wgmma.wgmma_matmul(x, weights, split)) for _ in range(3))
+    whole = cuda_wgmma.wgmma_matmul(x, weights, WgmmaConfig(2, 1, 128, 4))
+    assert relative_error(whole.double(), first) < 4e-3  # only the fp32 summation order differs
+
+
+@needs_hopper
+def test_cuda_graph_replays_read_new_inputs_in_place():
+    generator = torch.Generator().manual_seed(9)
+    weights = [quantized(n, 512, generator) for n in (384, 64, 64)]
+    x = torch.randn(80, 512, device="cuda", dtype=torch.bfloat16)
+    config = WgmmaConfig(2, 1, 64, 4, split_k=2)
+    cuda_wgmma.wgmma_matmul(x, weights, config)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_wgmma.wgmma_matmul(x, weights, config)
+    for seed in range(3):
+        x.copy_(torch.randn(80, 512, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE
+
+
+@needs_hopper
+def test_chooser_offers_the_wgmma_kernel_through_the_ops():
+    generator = torch.Generator().manual_seed(5)
+    weights = [quantized(n, 1024, generator) for n in (1024, 256, 256)]
+    packed, scale, gs = (list(t) for t in zip(*weights))
+    chooser = kernels.KernelChooser(autotune=True)
+    for m in (64, 200):
+        x = torch.randn(m, 1024, generator=generator).to("cuda", torch.bfloat16)
+        candidates = kernels.candidate_configs(m, 1024, 1024, mma=True, device=x.device)
+        assert any(isinstance(c, WgmmaConfig) for c in candidates)
+        chooser.choose(x, *weights[0])
+        chooser.choose_group(x, weights)
+        assert any(key.startswith("wgmma") for timings in chooser.timings.values() for key in timings)
+        assert (
+            relative_error(reference(x, weights[:1], [None]), torch.ops.trl_qerl.nvfp4_linear(x, *weights[0]))
+            < TOLERANCE
+        )
+        out = torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, [None] * 3)
+        assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE

@@ -1,0 +1,164 @@
+"""Launcher of the Hopper wgmma NVFP4 kernel (`nvfp4_wgmma_kernel` in `csrc/nvfp4_wgmma.cu`): 64 to a few hundred
+activation rows, where the mma.sync kernels of `cuda_mma` spend their time loading activation fragments.
+
+A CTA of one or two warpgroups owns 64 x ``m64_tiles`` weight rows per warpgroup and ``tokens`` activation rows;
+the tensor cores read the activations from shared memory (wgmma's B operand) and the weights from registers,
+decoded from the staged NVFP4 codes. It needs compute capability 9.0 exactly (the ``sm_90a`` target: wgmma is not
+in sm_100+'s portable instruction set) and what the tiled kernel needs (`cuda_mma.supports_tile`); its weights,
+biases, grouped launches (q/k/v, gate/up) and split-K reduction are the tiled kernel's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import nvrtc
+from .cuda_mma import MAX_SEGMENTS, Weight, launch_tiled, supports_tile
+
+
+ROWS_PER_WARPGROUP_TILE = 64
+MAX_ACCUMULATORS = 128
+"""fp32 accumulators per thread (``m64_tiles * tokens / 2``): more spill registers."""
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One instance: ``warpgroups`` (1 or 2) per CTA, each owning ``m64_tiles`` x 64 weight rows, ``tokens`` (64,
+    128 or 256) activation rows per CTA, ``stages`` 128-column blocks in the shared-memory ring (3-6) and K split
+    over ``split_k`` CTAs."""
+
+    warpgroups: int
+    m64_tiles: int
+    tokens: int
+    stages: int
+    split_k: int = 1
+    arch_specific = True  # built for sm_90a (`cuda_mma.kernel`)
+
+    def __post_init__(self) -> None:
+        if (
+            self.warpgroups not in (1, 2)
+            or self.m64_tiles not in (1, 2)
+            or self.tokens not in (64, 128, 256)
+            or self.stages not in (3, 4, 5, 6)
+            or self.split_k < 1
+        ):
+            raise ValueError(f"unsupported WgmmaConfig {self}")
+        if self.m64_tiles * self.tokens // 2 > MAX_ACCUMULATORS:
+            raise ValueError(f"WgmmaConfig {self} needs more than {MAX_ACCUMULATORS} accumulators per thread")
+
+    @property
+    def rows(self) -> int:
+        return ROWS_PER_WARPGROUP_TILE * self.m64_tiles * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def stage_bytes(self) -> int:
+        """``WgmmaLayout::STAGE`` in csrc/nvfp4_wgmma.cu: 256 B of activations per token, codes (64 B) and scales
+        (8 B) per row, rounded up to 1 KB (the swizzled boxes' alignment)."""
+        return -(-(self.tokens * 256 + self.rows * 72) // 1024) * 1024
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        """Dynamic shared memory of one CTA: the ring and its mbarriers (or the epilogue's output tile if that is
+        larger), plus 1 KB to align the ring."""
+        epilogue = self.tokens * (self.rows + 8) * 2 if self.split_k == 1 else self.tokens * (self.rows + 4) * 4
+        return max(self.stages * (self.stage_bytes + 8), epilogue) + 1024
+
+    def name_expression(self, dtype: torch.dtype) -> str:
+        bf16 = "true" if dtype == torch.bfloat16 else "false"
+        return f"nvfp4_wgmma_kernel<{self.warpgroups}, {self.m64_tiles}, {self.tokens}, {self.stages}, {bf16}>"
+
+    def __str__(self) -> str:
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"wgmma {self.rows}r x {self.tokens}t wg{self.warpgroups} s{self.stages}{split}"
+
+
+class _TensorMaps(ctypes.Structure):
+    # mirrors `struct TensorMaps` in csrc/nvfp4_wgmma.cu
+    _fields_ = [("codes", nvrtc.TensorMap * MAX_SEGMENTS), ("x", nvrtc.TensorMap)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _codes_map(address: int, rows: int, k: int, box_rows: int) -> nvrtc.TensorMap:
+    """The TMA map of a weight's codes ([rows, k / 2] bytes), boxes of ``box_rows`` x 64 bytes in the 64-byte
+    swizzle. (A map holds only the address and the geometry, so a cached one is right for whatever tensor sits
+    there later.)"""
+    return nvrtc.tensor_map_2d(address, nvrtc.TENSOR_MAP_UINT8, 1, (rows, k // 2), k // 2, (box_rows, 64), 64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _activations_map(address: int, m: int, k: int, row_stride: int, tokens: int) -> nvrtc.TensorMap:
+    """The TMA map of the activations ([m, k] 16-bit, rows ``row_stride`` elements apart), boxes of ``tokens`` x 64
+    columns in the 128-byte swizzle."""
+    return nvrtc.tensor_map_2d(address, nvrtc.TENSOR_MAP_UINT16, 2, (m, k), row_stride * 2, (tokens, 64), 128)
+
+
+def _tensor_maps(x: torch.Tensor, weights: Sequence[Weight], config: WgmmaConfig) -> _TensorMaps:
+    maps = _TensorMaps()
+    k = x.shape[1]
+    for i, (packed, _, _) in enumerate(weights):
+        maps.codes[i] = _codes_map(packed.data_ptr(), packed.shape[0], k, config.rows)
+    maps.x = _activations_map(x.data_ptr(), x.shape[0], k, x.stride(0), config.tokens)
+    return maps
+
+
+def supports_wgmma(x: torch.Tensor, weights: Sequence[Weight]) -> bool:
+    """`cuda_mma.supports_tile` on a device of compute capability 9.0 (Hopper)."""
+    return supports_tile(x, weights) and torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
+def wgmma_matmul(
+    x: torch.Tensor,
+    weights: Sequence[Weight],
+    config: WgmmaConfig,
+    biases: Sequence[torch.Tensor | None] | None = None,
+    out: torch.Tensor | None = None,
+    options: tuple[str, ...] = (),
+) -> torch.Tensor:
+    """``[x @ W_0.T + b_0, x @ W_1.T + b_1, ...]`` side by side in one ``[M, sum N_i]`` tensor: one launch (plus,
+    when ``config.split_k > 1``, one that adds the fp32 partial sums in split order). Callers check
+    `supports_wgmma` first; ``biases`` are in ``x.dtype``; ``options``: extra NVRTC flags (benchmarks)."""
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if config.shared_memory_bytes > nvrtc.max_shared_memory_per_block(index):
+        raise ValueError(
+            f"{config} needs {config.shared_memory_bytes} bytes of shared memory, more than this GPU gives a CTA "
+            f"({nvrtc.max_shared_memory_per_block(index)}); use fewer stages (`wgmma_candidate_configs` fits them)"
+        )
+    maps = _tensor_maps(x, weights, config)
+    return launch_tiled(x, weights, config, config.threads, biases, out, extra_args=(maps,), options=options)
+
+
+SHAPES = ((2, 1, 64), (2, 2, 64), (1, 2, 64), (2, 1, 128), (2, 2, 128), (1, 2, 128), (2, 1, 256), (1, 1, 256))
+"""(warpgroups, m64 tiles, tokens) of the candidates: 64-256 weight rows x 64-256 tokens per CTA."""
+
+
+def wgmma_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
+                            shared_memory_limit: int = 227 * 1024) -> list[WgmmaConfig]:  # fmt: skip
+    """Instances worth timing for ``m`` rows (64-512), ``n`` weight rows and ``k`` columns: CTAs of at most
+    ``2 m`` tokens, the deepest ring that fits twice in a multiprocessor's shared memory (else once), and a K
+    split where the tiles alone would not fill the GPU."""
+    blocks = k // 128
+    configs = []
+    for warpgroups, m64_tiles, tokens in SHAPES:
+        if tokens >= 2 * max(m, 64):
+            continue
+        sizes = {s: WgmmaConfig(warpgroups, m64_tiles, tokens, s).shared_memory_bytes for s in (6, 5, 4, 3)}
+        twice = [s for s, size in sizes.items() if 2 * size <= shared_memory_limit]
+        once = [s for s, size in sizes.items() if size <= shared_memory_limit]
+        if not (twice or once):
+            continue
+        probe = WgmmaConfig(warpgroups, m64_tiles, tokens, (twice or once)[0])
+        ctas = -(-n // probe.rows) * -(-m // probe.tokens)
+        split = 1
+        while ctas * split < num_sms and blocks >= 16 * split:
+            split *= 2
+        configs += [probe] + ([WgmmaConfig(warpgroups, m64_tiles, tokens, probe.stages, split)] if split > 1 else [])
+    return configs
