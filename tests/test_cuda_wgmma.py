@@ -13,6 +13,8 @@ accumulation, relative error below 1e-2.
 from __future__ import annotations
 
 import ctypes
+import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -274,3 +276,19 @@ def test_chooser_offers_the_wgmma_kernel_through_the_ops():
         )
         out = torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, [None] * 3)
         assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE
+
+
+def test_a_wgmma_build_failure_retires_only_the_wgmma_kernel(monkeypatch, caplog):
+    """A failed wgmma build (its sm_90a target, its tensor maps) logs once and leaves the decode and tiled kernels
+    in service on that device; any other CUDA kernel's failure retires the CUDA kernels as before."""
+    monkeypatch.setattr(kernels, "_WGMMA_BROKEN", set())
+    monkeypatch.setattr(kernels, "_MMA_BROKEN", set())
+    x = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)  # no GPU needed: only the key
+    error = NVRTCError("CUDA driver: encoding a tensor map failed\nmore")
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.nvfp4.kernels"):
+        for _ in range(2):
+            kernels._cuda_kernel_failed(x, WgmmaConfig(2, 1, 64, 4), error)
+    assert kernels._WGMMA_BROKEN == {(0, torch.bfloat16)} and not kernels._MMA_BROKEN
+    assert sum("wgmma kernel cannot run" in r.message for r in caplog.records) == 1
+    kernels._cuda_kernel_failed(x, cuda_mma.TileConfig(2, 8, 4, 3), error)
+    assert kernels._MMA_BROKEN == {(0, torch.bfloat16)}

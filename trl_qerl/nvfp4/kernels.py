@@ -754,6 +754,25 @@ def _mma_failed(x: torch.Tensor, reason: str) -> None:
         )  # fmt: skip
 
 
+_WGMMA_BROKEN: set[tuple[int, torch.dtype]] = set()
+
+
+def _cuda_kernel_failed(x: torch.Tensor, choice: Choice, error: Exception) -> None:
+    """A CUDA kernel did not build or load: a wgmma instance retires only the wgmma kernel on this device and dtype
+    (its sm_90a build and tensor maps are its own), any other the CUDA kernels there (`_mma_failed`)."""
+    reason = str(error).splitlines()[0][:300]
+    if not isinstance(choice, WgmmaConfig):
+        _mma_failed(x, reason)
+        return
+    key = (_device_index(x.device), x.dtype)
+    if key not in _WGMMA_BROKEN:
+        _WGMMA_BROKEN.add(key)
+        logger.warning(
+            "NVFP4: the wgmma kernel cannot run on %s (%s): %s; the other CUDA kernels serve 64-512 rows there "
+            "(correct, slower).", x.device, str(x.dtype).removeprefix("torch."), reason,
+        )  # fmt: skip
+
+
 class KernelChooser:
     """Caches the fastest kernel per (device name, dtype, M bucket, N, K), timing the candidates the first time
     a key is seen outside CUDA-graph capture. ``NVFP4_AUTOTUNE=0`` uses `heuristic_config` instead; `save`/`load`
@@ -791,8 +810,7 @@ class KernelChooser:
 
     def choose_group(self, x, weights: Sequence[cuda_mma.Weight]) -> Choice:
         """One launch of a CUDA kernel over ``weights`` (an `MMAConfig`, `TileConfig` or `WgmmaConfig`), the group
-        dequantised
-        into one buffer (`DequantChunks`) or `SEPARATE` products, whichever is faster (callers check
+        dequantised into one buffer (`DequantChunks`) or `SEPARATE` products, whichever is faster (callers check
         `mma_usable`)."""
         m, k = x.shape
         n = sum(w[0].shape[0] for w in weights)
@@ -845,7 +863,8 @@ def _applies(choice: Choice, x: torch.Tensor, weights: Sequence[cuda_mma.Weight]
     if isinstance(choice, TileConfig):
         return mma and cuda_mma.supports_tile(x, weights)
     if isinstance(choice, WgmmaConfig):
-        return mma and cuda_wgmma.supports_wgmma(x, weights)
+        broken = (_device_index(x.device), x.dtype) in _WGMMA_BROKEN
+        return mma and not broken and cuda_wgmma.supports_wgmma(x, weights)
     return mma or not isinstance(choice, MMAConfig)
 
 
@@ -933,8 +952,8 @@ def _fused(x, weight_packed, weight_scale, weight_global_scale):
         choice = CHOOSER.choose(x, weight_packed, weight_scale, weight_global_scale)
         try:
             return run(x, weight_packed, weight_scale, weight_global_scale, choice)
-        except nvrtc.NVRTCError as error:  # only the decode kernel raises it; the chooser skips it from now on
-            _mma_failed(x, str(error).splitlines()[0][:300])
+        except nvrtc.NVRTCError as error:  # the CUDA kernels only; the chooser skips the failed one from now on
+            _cuda_kernel_failed(x, choice, error)
             choice = CHOOSER.choose(x, weight_packed, weight_scale, weight_global_scale)
             return run(x, weight_packed, weight_scale, weight_global_scale, choice)
 
@@ -960,6 +979,7 @@ def grouped_linear(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch
     """``torch.cat([x @ W_i.T + b_i], dim=1)`` for weights that read the same activations (q/k/v, gate/up): one
     launch of a CUDA kernel or one dequantised buffer where that is fastest, else one product per weight."""
     if mma_usable(x, weights):
+        choice = None
         try:
             choice = CHOOSER.choose_group(x, weights)
             if _applies(choice, x, weights, mma=True):
@@ -968,7 +988,7 @@ def grouped_linear(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch
                 if out is not None:
                     return out
         except nvrtc.NVRTCError as error:
-            _mma_failed(x, str(error).splitlines()[0][:300])
+            _cuda_kernel_failed(x, choice, error)
     return _separate_products(x, weights, biases)
 
 
