@@ -11,8 +11,8 @@
 // Work split. A warpgroup (4 warps, 128 threads) owns 64*MW weight rows, a CTA WG warpgroups and N tokens
 // (accumulators: MW * N / 2 fp32 per thread, in the m16n8 C layout per warp and n8 column). Each 128-column block
 // of codes and activations comes in by the Tensor Memory Accelerator (one thread issues three boxes per block,
-// completion counted on the slot's mbarrier; per-thread cp.async copies measured 1.7x slower: the load/store unit
-// queue was full), the scales by cp.async. STAGES blocks in the ring, STAGES - 2 of them ahead of the one being
+// completion counted on the slot's mbarrier; per-thread cp.async copies took twice as long on 7B gate_up at 256
+// rows: the load/store unit queue was full), the scales by cp.async. STAGES blocks in the ring, STAGES - 2 of them ahead of the one being
 // multiplied: the slot refilled at block i was last read by block i - 2's wgmmas, which have retired (at most one
 // wgmma group is in flight when a block starts). Every block is 8 k16 steps; a step decodes the thread's weights
 // into A registers (double-buffered by step parity), issues one wgmma per m64 tile and waits until the previous
