@@ -290,5 +290,7 @@ def test_a_wgmma_build_failure_retires_only_the_wgmma_kernel(monkeypatch, caplog
             kernels._cuda_kernel_failed(x, WgmmaConfig(2, 1, 64, 4), error)
     assert kernels._WGMMA_BROKEN == {(0, torch.bfloat16)} and not kernels._MMA_BROKEN
     assert sum("wgmma kernel cannot run" in r.message for r in caplog.records) == 1
-    kernels._cuda_kernel_failed(x, cuda_mma.TileConfig(2, 8, 4, 3), error)
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.nvfp4.kernels"):
+        kernels._cuda_kernel_failed(x, cuda_mma.TileConfig(2, 8, 4, 3), error)
     assert kernels._MMA_BROKEN == {(0, torch.bfloat16)}
+    assert sum("CUDA decode kernel cannot run" in r.message for r in caplog.records) == 1

@@ -745,13 +745,8 @@ def mma_usable(x: torch.Tensor, weights: Sequence[cuda_mma.Weight]) -> bool:
 
 
 def _mma_failed(x: torch.Tensor, reason: str) -> None:
-    key = (_device_index(x.device), x.dtype)
-    if key not in _MMA_BROKEN:
-        _MMA_BROKEN.add(key)
-        logger.warning(
-            "NVFP4: the CUDA decode kernel cannot run on %s (%s): %s; NVFP4 layers there use the Triton kernels "
-            "(correct, slower at decode).", x.device, str(x.dtype).removeprefix("torch."), reason,
-        )  # fmt: skip
+    instead = "NVFP4 layers there use the Triton kernels (correct, slower at decode)"
+    _retire_once(_MMA_BROKEN, x, "the CUDA decode kernel", reason, instead)
 
 
 _WGMMA_BROKEN: set[tuple[int, torch.dtype]] = set()
@@ -764,12 +759,20 @@ def _cuda_kernel_failed(x: torch.Tensor, choice: Choice, error: Exception) -> No
     if not isinstance(choice, WgmmaConfig):
         _mma_failed(x, reason)
         return
+    instead = "the other CUDA kernels serve 64-512 rows there (correct, slower)"
+    _retire_once(_WGMMA_BROKEN, x, "the wgmma kernel", reason, instead)
+
+
+def _retire_once(
+    broken: set[tuple[int, torch.dtype]], x: torch.Tensor, kernel: str, reason: str, instead: str
+) -> None:
+    """Adds ``x``'s (device, dtype) to a kernel's ``broken`` set, with one warning the first time."""
     key = (_device_index(x.device), x.dtype)
-    if key not in _WGMMA_BROKEN:
-        _WGMMA_BROKEN.add(key)
+    if key not in broken:
+        broken.add(key)
         logger.warning(
-            "NVFP4: the wgmma kernel cannot run on %s (%s): %s; the other CUDA kernels serve 64-512 rows there "
-            "(correct, slower).", x.device, str(x.dtype).removeprefix("torch."), reason,
+            "NVFP4: %s cannot run on %s (%s): %s; %s.", kernel, x.device, str(x.dtype).removeprefix("torch."), reason,
+            instead,
         )  # fmt: skip
 
 
