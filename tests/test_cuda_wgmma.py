@@ -12,7 +12,6 @@ accumulation, relative error below 1e-2.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from types import SimpleNamespace
 
@@ -109,31 +108,18 @@ def test_architecture_specific_target_only_on_hopper_and_later(monkeypatch):
     assert nvrtc._arch(0, arch_specific=True) == "sm_89"
 
 
-def _ptxas_log(name: str, arch: str) -> str:
-    """NVRTC's log of a build with ptxas' verbose resource report."""
-    lib = nvrtc.nvrtc()
-    program = ctypes.c_void_p()
-    lib.nvrtcCreateProgram(ctypes.byref(program), cuda_mma.source().encode(), b"k.cu", 0, None, None)
-    try:
-        lib.nvrtcAddNameExpression(program, name.encode())
-        flags = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"-Xptxas=-v", b"-Xptxas=--warn-on-spills"]
-        assert lib.nvrtcCompileProgram(program, len(flags), (ctypes.c_char_p * len(flags))(*flags)) == 0
-        return nvrtc._program_log(program)
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(program))
-
-
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_every_candidate_builds_for_sm90a_without_spills_or_serialised_wgmma(dtype, tmp_path):
     """No local memory in any candidate; where NVRTC passes on ptxas' report (13.5 does, 13.0 not), no spills and
     no "wgmma ... serialized" warning."""
     for config in _all_candidates():
-        name = config.name_expression(dtype)
-        cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90a")
+        logs = []
+        verbose = ("-Xptxas=-v", "-Xptxas=--warn-on-spills")
+        cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(dtype), "sm_90a", verbose, logs)
         resources = resources_of(cubin, tmp_path) if cuobjdump() else {"STACK": 0, "LOCAL": 0}
         assert resources["STACK"] == 0 and resources["LOCAL"] == 0, (str(config), resources)
-        log = _ptxas_log(name, "sm_90a")
+        log = logs[0]
         assert "serializ" not in log.lower(), (str(config), log[-600:])  # ptxas: "wgmma ... serialized"
         if "ptxas info" in log:
             assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (str(config), log[-600:])

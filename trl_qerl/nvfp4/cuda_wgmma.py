@@ -91,14 +91,14 @@ def _codes_map(address: int, rows: int, k: int, box_rows: int) -> nvrtc.TensorMa
     """The TMA map of a weight's codes ([rows, k / 2] bytes), boxes of ``box_rows`` x 64 bytes in the 64-byte
     swizzle. (A map holds only the address and the geometry, so a cached one is right for whatever tensor sits
     there later.)"""
-    return nvrtc.tensor_map_2d(address, nvrtc.TENSOR_MAP_UINT8, 1, (rows, k // 2), k // 2, (box_rows, 64), 64)
+    return nvrtc.tensor_map_2d(address, nvrtc.TENSOR_MAP_UINT8, (rows, k // 2), k // 2, (box_rows, 64), 64)
 
 
 @functools.lru_cache(maxsize=4096)
 def _activations_map(address: int, m: int, k: int, row_stride: int, tokens: int) -> nvrtc.TensorMap:
     """The TMA map of the activations ([m, k] 16-bit, rows ``row_stride`` elements apart), boxes of ``tokens`` x 64
     columns in the 128-byte swizzle."""
-    return nvrtc.tensor_map_2d(address, nvrtc.TENSOR_MAP_UINT16, 2, (m, k), row_stride * 2, (tokens, 64), 128)
+    return nvrtc.tensor_map_2d(address, nvrtc.TENSOR_MAP_UINT16, (m, k), row_stride * 2, (tokens, 64), 128)
 
 
 def _tensor_maps(x: torch.Tensor, weights: Sequence[Weight], config: WgmmaConfig) -> _TensorMaps:

@@ -128,9 +128,11 @@ def _program_log(program) -> str:
 
 
 # -- compiling ------------------------------------------------------------------------------------------------
-def compile_cubin(source: str, name_expression: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+def compile_cubin(source: str, name_expression: str, arch: str, options: tuple[str, ...] = (),
+                  log: list[str] | None = None) -> tuple[bytes, str]:  # fmt: skip
     """``(cubin, lowered kernel name)`` of ``name_expression`` (e.g. ``"kernel<1, 2>"``) for ``arch``
-    (e.g. ``"sm_90"``). Needs NVRTC only, no GPU."""
+    (e.g. ``"sm_90"``). Needs NVRTC only, no GPU. ``log`` receives NVRTC's log of a successful build (warnings;
+    with ``-Xptxas=-v`` ptxas' resource report where the NVRTC version passes it on)."""
     lib = nvrtc()
     program = ctypes.c_void_p()
     _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"kernel.cu", 0, None, None))
@@ -140,6 +142,8 @@ def compile_cubin(source: str, name_expression: str, arch: str, options: tuple[s
         flags = [f"--gpu-architecture={arch}", "-std=c++17", *options]
         array = (ctypes.c_char_p * len(flags))(*[flag.encode() for flag in flags])
         _check_nvrtc(lib.nvrtcCompileProgram(program, len(flags), array), program)
+        if log is not None:
+            log.append(_program_log(program))
         size = ctypes.c_size_t()
         _check_nvrtc(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)))
         cubin = ctypes.create_string_buffer(size.value)
@@ -277,12 +281,13 @@ class TensorMap(ctypes.Structure):
 
 TENSOR_MAP_UINT8, TENSOR_MAP_UINT16 = 0, 1
 """``CU_TENSOR_MAP_DATA_TYPE_UINT8`` / ``_UINT16`` in cuda.h (the copy moves bits; the kernel knows the type)."""
+_TENSOR_MAP_ELEMENT_BYTES = {TENSOR_MAP_UINT8: 1, TENSOR_MAP_UINT16: 2}
 SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
 """``CU_TENSOR_MAP_SWIZZLE_NONE`` / ``_32B`` / ``_64B`` / ``_128B`` in cuda.h, by swizzle span in bytes."""
 
 
-def tensor_map_2d(address: int, data_type: int, element_bytes: int, shape: tuple[int, int], row_stride_bytes: int,
-                  box: tuple[int, int], swizzle_bytes: int = 0) -> TensorMap:  # fmt: skip
+def tensor_map_2d(address: int, data_type: int, shape: tuple[int, int], row_stride_bytes: int, box: tuple[int, int],
+                  swizzle_bytes: int = 0) -> TensorMap:  # fmt: skip
     """A tiled tensor map of a row-major 2-D tensor (``shape`` = (rows, columns), ``box`` = (rows, columns) per
     copy) for the Tensor Memory Accelerator (sm_90+); boxes past the tensor's edge read zeros. The CUDA driver
     checks the TMA rules (16-byte aligned address and row stride, box rows <= 256, box row bytes a multiple of 16
@@ -296,6 +301,7 @@ def tensor_map_2d(address: int, data_type: int, element_bytes: int, shape: tuple
         ctypes.byref(tensor_map), data_type, 2, ctypes.c_void_p(address), dims, strides, box_dims,
         element_strides, 0, SWIZZLE[swizzle_bytes], 2, 0,  # no interleave, L2 promotion 128 B, zero fill
     )  # fmt: skip
+    element_bytes = _TENSOR_MAP_ELEMENT_BYTES[data_type]
     _check_cuda(result, f"encoding a tensor map of {shape} x {element_bytes} B with boxes of {box}")
     return tensor_map
 
