@@ -130,7 +130,7 @@ def kernel(config, dtype: torch.dtype, device: torch.device, options: tuple[str,
     kernel (anything with ``name_expression(dtype)``; an ``arch_specific`` attribute asks for the ``sm_XYa``
     target), or a name expression of the source. ``options`` are extra NVRTC flags, e.g. the source's
     ``-DNVFP4_DEPTH=2`` switches (for benchmarks)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = nvrtc.device_index(device)
     name = config if isinstance(config, str) else config.name_expression(dtype)
     arch_specific = getattr(config, "arch_specific", False)
     return nvrtc.CudaKernel.get(source(), name, index, tuple(options), arch_specific=arch_specific)

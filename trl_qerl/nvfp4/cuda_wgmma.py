@@ -126,11 +126,11 @@ def wgmma_matmul(
     """``[x @ W_0.T + b_0, x @ W_1.T + b_1, ...]`` side by side in one ``[M, sum N_i]`` tensor: one launch (plus,
     when ``config.split_k > 1``, one that adds the fp32 partial sums in split order). Callers check
     `supports_wgmma` first; ``biases`` are in ``x.dtype``; ``options``: extra NVRTC flags (benchmarks)."""
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if config.shared_memory_bytes > nvrtc.max_shared_memory_per_block(index):
+    limit = nvrtc.max_shared_memory_per_block(nvrtc.device_index(x.device))
+    if config.shared_memory_bytes > limit:
         raise ValueError(
             f"{config} needs {config.shared_memory_bytes} bytes of shared memory, more than this GPU gives a CTA "
-            f"({nvrtc.max_shared_memory_per_block(index)}); use fewer stages (`wgmma_candidate_configs` fits them)"
+            f"({limit}); use fewer stages (`wgmma_candidate_configs` fits them)"
         )
     maps = _tensor_maps(x, weights, config)
     return launch_tiled(x, weights, config, config.threads, biases, out, extra_args=(maps,), options=options)

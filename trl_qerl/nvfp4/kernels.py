@@ -419,7 +419,7 @@ def device_path(device: torch.device) -> TritonPath | None:
     pure-torch reference, announced by one warning. Non-CUDA tensors reach Triton only through its interpreter."""
     if device.type != "cuda":
         return INTERPRETER
-    index = _device_index(device)
+    index = nvrtc.device_index(device)
     if index not in _PATH_BY_DEVICE:
         capability = device_capability(index)
         _PATH_BY_DEVICE[index] = triton_path(capability)
@@ -430,10 +430,6 @@ def device_path(device: torch.device) -> TritonPath | None:
                 index, *capability,
             )  # fmt: skip
     return _PATH_BY_DEVICE[index]
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _triton_errors() -> tuple[type[Exception], ...]:
@@ -460,7 +456,7 @@ def guarded(kernel: str, device: torch.device, dtype: torch.dtype, launch: Calla
             fallback: Callable[[], T]) -> T:  # fmt: skip
     """``launch()``, or ``fallback()`` from the first Triton compile error on (device, kernel, dtype) on, with one
     warning: a kernel that does not build on some GPU must cost speed, never the training run."""
-    key = (_device_index(device) if device.type == "cuda" else -1, kernel, dtype)
+    key = (nvrtc.device_index(device) if device.type == "cuda" else -1, kernel, dtype)
     if key in _BROKEN:
         return fallback()
     try:
@@ -647,7 +643,7 @@ def tile_candidates(bucket: int, n: int, k: int, device: torch.device | None,
         return []
     limit, hopper = 227 * 1024, True
     if device is not None and device.type == "cuda":
-        limit = nvrtc.max_shared_memory_per_block(_device_index(device))
+        limit = nvrtc.max_shared_memory_per_block(nvrtc.device_index(device))
         hopper = torch.cuda.get_device_capability(device) == (9, 0)
     configs: list[TileConfig | WgmmaConfig] = []
     if TILE_ROWS[0] <= bucket <= TILE_ROWS[1]:
@@ -736,7 +732,7 @@ def mma_usable(x: torch.Tensor, weights: Sequence[cuda_mma.Weight]) -> bool:
     are there (``NVFP4_CUDA_KERNELS=0`` turns it off) and it has not failed to build on this device before."""
     if os.environ.get("NVFP4_CUDA_KERNELS", "1") == "0" or not cuda_mma.supports(x, weights):
         return False
-    if (_device_index(x.device), x.dtype) in _MMA_BROKEN:
+    if (nvrtc.device_index(x.device), x.dtype) in _MMA_BROKEN:
         return False
     if not nvrtc.available():
         _mma_failed(x, "NVRTC or the CUDA driver library is not available")
@@ -767,7 +763,7 @@ def _retire_once(
     broken: set[tuple[int, torch.dtype]], x: torch.Tensor, kernel: str, reason: str, instead: str
 ) -> None:
     """Adds ``x``'s (device, dtype) to a kernel's ``broken`` set, with one warning the first time."""
-    key = (_device_index(x.device), x.dtype)
+    key = (nvrtc.device_index(x.device), x.dtype)
     if key not in broken:
         broken.add(key)
         logger.warning(
@@ -866,7 +862,7 @@ def _applies(choice: Choice, x: torch.Tensor, weights: Sequence[cuda_mma.Weight]
     if isinstance(choice, TileConfig):
         return mma and cuda_mma.supports_tile(x, weights)
     if isinstance(choice, WgmmaConfig):
-        broken = (_device_index(x.device), x.dtype) in _WGMMA_BROKEN
+        broken = (nvrtc.device_index(x.device), x.dtype) in _WGMMA_BROKEN
         return mma and not broken and cuda_wgmma.supports_wgmma(x, weights)
     return mma or not isinstance(choice, MMAConfig)
 

@@ -260,6 +260,11 @@ MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 """``CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`` in cuda.h."""
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device's index (``cuda`` without one: torch's current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def max_shared_memory_per_block(device_index: int) -> int:
     """The most dynamic shared memory one CTA may ask for on this device (227 KB on Hopper, 163 KB on A100, 99 KB
