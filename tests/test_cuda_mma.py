@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 import torch
-from _cuda_cases import poisoned_out, quantized, reference
+from _cuda_cases import TOLERANCE, check_every_instance, poisoned_out, quantized, reference
 from _sass import cuobjdump, main_loop
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
@@ -38,7 +38,6 @@ def _nvrtc_loads() -> bool:
 
 
 needs_nvrtc = pytest.mark.skipif(not _nvrtc_loads(), reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
-TOLERANCE = 1e-2
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90")
 BUILD_CONFIGS = (cuda_mma.MMAConfig(1, 1, 4), cuda_mma.MMAConfig(2, 2, 4), cuda_mma.MMAConfig(1, 8, 2))
 
@@ -147,14 +146,8 @@ def test_chooser_saves_decode_kernel_choices(tmp_path):
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 16, 33, 64, 130])
 @pytest.mark.parametrize("n,k", [(200, 96), (512, 3584 + 32), (1000, 1024)])
 def test_every_instance_matches_the_reference(dtype, m, n, k):
-    generator = torch.Generator().manual_seed(m * 7 + n + k)
-    weights = [quantized(n, k, generator)]
-    x = (torch.randn(m, k, generator=generator)).to("cuda", dtype)
-    expected = reference(x, weights, [None])
-    for config in cuda_mma.candidate_configs(m, n, k) + [cuda_mma.heuristic_config(m, n, k, 132)]:
-        out = cuda_mma.matmul(x, weights, config, out=poisoned_out(m, n, dtype))
-        assert torch.isfinite(out).all(), f"{config}: unwritten or non-finite outputs"
-        assert relative_error(expected, out) < TOLERANCE, str(config)
+    configs = cuda_mma.candidate_configs(m, n, k) + [cuda_mma.heuristic_config(m, n, k, 132)]
+    check_every_instance(cuda_mma.matmul, configs, m, n, k, dtype)
 
 
 @needs_cuda

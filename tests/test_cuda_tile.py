@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cuda_cases import poisoned_out, quantized, reference
+from _cuda_cases import (
+    TOLERANCE,
+    check_cuda_graph_replays,
+    check_every_instance,
+    check_grouped_launch_into_a_wider_output,
+    check_split_k_is_deterministic,
+    quantized,
+    reference,
+)
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
@@ -24,7 +32,6 @@ from trl_qerl.nvfp4.nvrtc import NVRTCError
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-TOLERANCE = 1e-2
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90")
 BUILD_CONFIGS = (
     cuda_mma.TileConfig(2, 8, 4, 3), cuda_mma.TileConfig(1, 2, 4, 2), cuda_mma.TileConfig(4, 4, 2, 4),
@@ -146,15 +153,7 @@ def _configs(m, n, k):
 @pytest.mark.parametrize("m", [16, 17, 40, 64, 100, 257])
 @pytest.mark.parametrize("n,k", [(200, 384), (512, 3584), (1000, 1024)])
 def test_every_instance_matches_the_reference(dtype, m, n, k):
-    generator = torch.Generator().manual_seed(m * 7 + n + k)
-    weights = [quantized(n, k, generator)]
-    x = torch.randn(m, k, generator=generator).to("cuda", dtype)
-    assert cuda_mma.supports_tile(x, weights)
-    expected = reference(x, weights, [None])
-    for config in _configs(m, n, k):
-        out = cuda_mma.tile_matmul(x, weights, config, out=poisoned_out(m, n, dtype))
-        assert torch.isfinite(out).all(), f"{config}: unwritten or non-finite outputs"
-        assert relative_error(expected, out) < TOLERANCE, str(config)
+    check_every_instance(cuda_mma.tile_matmul, _configs(m, n, k), m, n, k, dtype, cuda_mma.supports_tile)
 
 
 @needs_cuda
@@ -162,32 +161,14 @@ def test_every_instance_matches_the_reference(dtype, m, n, k):
 def test_grouped_launch_with_biases_into_a_wider_output(dtype):
     """q/k/v in one launch (rows not multiples of a tile, one weight without bias), written into columns of a wider
     tensor (row stride > the outputs' width), with and without split K; columns outside are left alone."""
-    generator = torch.Generator().manual_seed(3)
-    k = 768
-    rows = (320, 40, 40)
-    weights = [quantized(n, k, generator) for n in rows]
-    biases = [torch.randn(n, generator=generator).to("cuda", dtype) for n in rows]
-    biases[1] = None
-    for m in (16, 50):
-        x = torch.randn(m, k, generator=generator).to("cuda", dtype)
-        expected = reference(x, weights, biases)
-        for config in (cuda_mma.TileConfig(2, 8, 4, 3), cuda_mma.TileConfig(1, 2, 2, 2, split_k=2)):
-            wide = torch.full((m, 512), 7.0, device="cuda", dtype=dtype)
-            out = cuda_mma.tile_matmul(x, weights, config, biases, out=wide[:, :400])
-            assert relative_error(expected, out) < TOLERANCE, str(config)
-            assert torch.equal(wide[:, 400:], torch.full_like(wide[:, 400:], 7.0)), str(config)
+    configs = (cuda_mma.TileConfig(2, 8, 4, 3), cuda_mma.TileConfig(1, 2, 2, 2, split_k=2))
+    check_grouped_launch_into_a_wider_output(cuda_mma.tile_matmul, configs, (16, 50), dtype)
 
 
 @needs_cuda
 def test_split_k_sums_are_deterministic_and_match_one_split():
-    generator = torch.Generator().manual_seed(8)
-    weights = [quantized(256, 4096, generator)]
-    x = torch.randn(48, 4096, generator=generator).to("cuda", torch.bfloat16)
-    split = cuda_mma.TileConfig(1, 8, 4, 3, split_k=4)
-    first = cuda_mma.tile_matmul(x, weights, split)
-    assert all(torch.equal(first, cuda_mma.tile_matmul(x, weights, split)) for _ in range(3))
-    whole = cuda_mma.tile_matmul(x, weights, cuda_mma.TileConfig(1, 8, 4, 3))
-    assert relative_error(whole.double(), first) < 4e-3  # only the fp32 summation order differs
+    split, whole = cuda_mma.TileConfig(1, 8, 4, 3, split_k=4), cuda_mma.TileConfig(1, 8, 4, 3)
+    check_split_k_is_deterministic(cuda_mma.tile_matmul, split, whole, m=48)
 
 
 @needs_cuda
@@ -203,19 +184,7 @@ def test_the_tiled_kernel_gives_the_decode_kernels_products():
 
 @needs_cuda
 def test_cuda_graph_replays_read_new_inputs_in_place():
-    generator = torch.Generator().manual_seed(9)
-    weights = [quantized(n, 512, generator) for n in (384, 64, 64)]
-    x = torch.randn(40, 512, device="cuda", dtype=torch.bfloat16)
-    config = cuda_mma.TileConfig(1, 8, 4, 3, split_k=2)
-    cuda_mma.tile_matmul(x, weights, config)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_mma.tile_matmul(x, weights, config)
-    for seed in range(3):
-        x.copy_(torch.randn(40, 512, generator=torch.Generator().manual_seed(seed)).cuda())
-        graph.replay()
-        assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE
+    check_cuda_graph_replays(cuda_mma.tile_matmul, cuda_mma.TileConfig(1, 8, 4, 3, split_k=2), m=40)
 
 
 @needs_cuda

@@ -17,7 +17,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _cuda_cases import poisoned_out, quantized, reference
+from _cuda_cases import (
+    TOLERANCE,
+    check_cuda_graph_replays,
+    check_every_instance,
+    check_grouped_launch_into_a_wider_output,
+    check_split_k_is_deterministic,
+    quantized,
+    reference,
+)
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
 from trl_qerl.nvfp4 import cuda_mma, cuda_wgmma, kernels, nvrtc
@@ -28,7 +36,6 @@ from trl_qerl.nvfp4.nvrtc import NVRTCError
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a compute capability 9.0 GPU (H100/H200)")
-TOLERANCE = 1e-2
 SHAPES = [(4608, 3584), (3584, 18944), (37888, 3584), (3584, 3584)]
 
 
@@ -174,15 +181,7 @@ def _configs(m, n, k):
 @pytest.mark.parametrize("m", [1, 64, 100, 257, 512])
 @pytest.mark.parametrize("n,k", [(200, 384), (512, 3584), (1000, 1024)])
 def test_every_instance_matches_the_reference(dtype, m, n, k):
-    generator = torch.Generator().manual_seed(m * 7 + n + k)
-    weights = [quantized(n, k, generator)]
-    x = torch.randn(m, k, generator=generator).to("cuda", dtype)
-    assert cuda_wgmma.supports_wgmma(x, weights)
-    expected = reference(x, weights, [None])
-    for config in _configs(m, n, k):
-        out = cuda_wgmma.wgmma_matmul(x, weights, config, out=poisoned_out(m, n, dtype))
-        assert torch.isfinite(out).all(), f"{config}: unwritten or non-finite outputs"
-        assert relative_error(expected, out) < TOLERANCE, str(config)
+    check_every_instance(cuda_wgmma.wgmma_matmul, _configs(m, n, k), m, n, k, dtype, cuda_wgmma.supports_wgmma)
 
 
 @needs_hopper
@@ -190,20 +189,8 @@ def test_every_instance_matches_the_reference(dtype, m, n, k):
 def test_grouped_launch_with_biases_into_a_wider_output(dtype):
     """q/k/v in one launch (rows not multiples of a tile, one weight without bias), written into columns of a wider
     tensor, with and without split K; columns outside are left alone."""
-    generator = torch.Generator().manual_seed(3)
-    k = 768
-    rows = (320, 40, 40)
-    weights = [quantized(n, k, generator) for n in rows]
-    biases = [torch.randn(n, generator=generator).to("cuda", dtype) for n in rows]
-    biases[1] = None
-    for m in (64, 150):
-        x = torch.randn(m, k, generator=generator).to("cuda", dtype)
-        expected = reference(x, weights, biases)
-        for config in (WgmmaConfig(2, 1, 64, 4), WgmmaConfig(2, 2, 128, 4, split_k=2)):
-            wide = torch.full((m, 512), 7.0, device="cuda", dtype=dtype)
-            out = cuda_wgmma.wgmma_matmul(x, weights, config, biases, out=wide[:, :400])
-            assert relative_error(expected, out) < TOLERANCE, str(config)
-            assert torch.equal(wide[:, 400:], torch.full_like(wide[:, 400:], 7.0)), str(config)
+    configs = (WgmmaConfig(2, 1, 64, 4), WgmmaConfig(2, 2, 128, 4, split_k=2))
+    check_grouped_launch_into_a_wider_output(cuda_wgmma.wgmma_matmul, configs, (64, 150), dtype)
 
 
 @needs_hopper
@@ -216,31 +203,13 @@ def test_a_ring_larger_than_the_shared_memory_is_refused_by_name():
 
 @needs_hopper
 def test_split_k_sums_are_deterministic_and_match_one_split():
-    generator = torch.Generator().manual_seed(8)
-    weights = [quantized(256, 4096, generator)]
-    x = torch.randn(96, 4096, generator=generator).to("cuda", torch.bfloat16)
-    split = WgmmaConfig(2, 1, 128, 4, split_k=4)
-    first = cuda_wgmma.wgmma_matmul(x, weights, split)
-    assert all(torch.equal(first, cuda_wgmma.wgmma_matmul(x, weights, split)) for _ in range(3))
-    whole = cuda_wgmma.wgmma_matmul(x, weights, WgmmaConfig(2, 1, 128, 4))
-    assert relative_error(whole.double(), first) < 4e-3  # only the fp32 summation order differs
+    split, whole = WgmmaConfig(2, 1, 128, 4, split_k=4), WgmmaConfig(2, 1, 128, 4)
+    check_split_k_is_deterministic(cuda_wgmma.wgmma_matmul, split, whole, m=96)
 
 
 @needs_hopper
 def test_cuda_graph_replays_read_new_inputs_in_place():
-    generator = torch.Generator().manual_seed(9)
-    weights = [quantized(n, 512, generator) for n in (384, 64, 64)]
-    x = torch.randn(80, 512, device="cuda", dtype=torch.bfloat16)
-    config = WgmmaConfig(2, 1, 64, 4, split_k=2)
-    cuda_wgmma.wgmma_matmul(x, weights, config)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_wgmma.wgmma_matmul(x, weights, config)
-    for seed in range(3):
-        x.copy_(torch.randn(80, 512, generator=torch.Generator().manual_seed(seed)).cuda())
-        graph.replay()
-        assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE
+    check_cuda_graph_replays(cuda_wgmma.wgmma_matmul, WgmmaConfig(2, 1, 64, 4, split_k=2), m=80)
 
 
 @needs_hopper
