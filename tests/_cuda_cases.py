@@ -4,14 +4,28 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from trl_qerl.nvfp4 import nvrtc
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error
 
 
 DEVICE = "cuda"
 TOLERANCE = 1e-2
 """METHOD.md: 16-bit operands with fp32 accumulation, relative error below 1e-2."""
+
+
+def _nvrtc_loads() -> bool:
+    try:
+        nvrtc.nvrtc()
+    except nvrtc.NVRTCError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_loads(), reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
+"""Offline builds (CPU tests of the kernels' sources) need NVRTC, not a GPU."""
 
 
 def quantized(n: int, k: int, generator: torch.Generator, device: str | None = None):

@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 import torch
-from _cuda_cases import TOLERANCE, check_every_instance, poisoned_out, quantized, reference
+from _cuda_cases import TOLERANCE, check_every_instance, needs_nvrtc, poisoned_out, quantized, reference
 from _sass import cuobjdump, main_loop
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
@@ -29,15 +29,6 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
-def _nvrtc_loads() -> bool:
-    try:
-        nvrtc.nvrtc()
-    except nvrtc.NVRTCError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_loads(), reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90")
 BUILD_CONFIGS = (cuda_mma.MMAConfig(1, 1, 4), cuda_mma.MMAConfig(2, 2, 4), cuda_mma.MMAConfig(1, 8, 2))
 

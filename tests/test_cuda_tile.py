@@ -20,6 +20,7 @@ from _cuda_cases import (
     check_every_instance,
     check_grouped_launch_into_a_wider_output,
     check_split_k_is_deterministic,
+    needs_nvrtc,
     quantized,
     reference,
 )
@@ -27,7 +28,6 @@ from _sass import cuobjdump, main_loop, resources_of, sass_of
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
 from trl_qerl.nvfp4.format import quantize, relative_error
-from trl_qerl.nvfp4.nvrtc import NVRTCError
 
 
 CUDA = torch.cuda.is_available()
@@ -37,17 +37,6 @@ BUILD_CONFIGS = (
     cuda_mma.TileConfig(2, 8, 4, 3), cuda_mma.TileConfig(1, 2, 4, 2), cuda_mma.TileConfig(4, 4, 2, 4),
     cuda_mma.TileConfig(2, 8, 8, 3),
 )  # fmt: skip
-
-
-def _nvrtc_loads() -> bool:
-    try:
-        nvrtc.nvrtc()
-    except NVRTCError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_loads(), reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
 
 
 # -- without a GPU --------------------------------------------------------------------------------------------

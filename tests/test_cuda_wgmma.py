@@ -23,6 +23,7 @@ from _cuda_cases import (
     check_every_instance,
     check_grouped_launch_into_a_wider_output,
     check_split_k_is_deterministic,
+    needs_nvrtc,
     quantized,
     reference,
 )
@@ -37,17 +38,6 @@ from trl_qerl.nvfp4.nvrtc import NVRTCError
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a compute capability 9.0 GPU (H100/H200)")
 SHAPES = [(4608, 3584), (3584, 18944), (37888, 3584), (3584, 3584)]
-
-
-def _nvrtc_loads() -> bool:
-    try:
-        nvrtc.nvrtc()
-    except NVRTCError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_loads(), reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
 
 
 def _all_candidates() -> list[WgmmaConfig]:
