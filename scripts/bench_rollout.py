@@ -87,25 +87,31 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+pdl": dict(engine="fused", compile=True, **_SDPA),
            "fused+compile+split_kv+pdl": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+compact": dict(engine="fused", compile=True, decode_attention="sdpa", compact_finished=True),
+           "fused+compile+split_kv+lora_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
 captures and runs). ``+compact``: rows still decoding move to a smaller step once at most half are left
-(`StaticCacheGenerator(compact_finished=True)`; measure it with ``--eos-rate``)."""
+(`StaticCacheGenerator(compact_finished=True)`; measure it with ``--eos-rate``). ``+lora_unfused``: LoRA terms
+expanded by their own kernels instead of the NVFP4 kernel's epilogue (`fused_decode.LORA_EPILOGUE` False while that
+engine compiles and captures; the default engines above add them in the epilogue)."""
 
 
 @contextlib.contextmanager
 def engine_environment(engine: str):
-    """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it), else unchanged."""
-    if not engine.endswith("+pdl"):
-        yield
-        return
-    os.environ["NVFP4_PDL"] = "1"
+    """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it) and
+    ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones (read when a layer compiles); else unchanged."""
+    pdl, epilogue = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE
+    if pdl:
+        os.environ["NVFP4_PDL"] = "1"
+    fused_decode.LORA_EPILOGUE = epilogue and not engine.endswith("+lora_unfused")
     try:
         yield
     finally:
-        os.environ.pop("NVFP4_PDL", None)
+        if pdl:
+            os.environ.pop("NVFP4_PDL", None)
+        fused_decode.LORA_EPILOGUE = epilogue
 
 
 def category(kernel: str) -> str:
@@ -244,6 +250,8 @@ def main() -> None:
         fused_decode.LORA_REDUCTION_ROWS = args.lora_reduction_rows  # read when a layer compiles: before any engine
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
+    # one process compiles the decode layer for every engine, arm and batch (a training run: one engine, one arm)
+    torch._dynamo.config.recompile_limit = 64
 
     config = qwen25_config(args.model)
     with torch.device("cuda"):

@@ -66,9 +66,12 @@ class MMAConfig:
     def shared_memory_bytes(self) -> int:
         return _partial_sums_bytes(self.m_tiles, self.n_tiles, self.k_warps)
 
-    def name_expression(self, dtype: torch.dtype) -> str:
+    def name_expression(self, dtype: torch.dtype, lora_rank: int = 0) -> str:
+        """The instance's name; ``lora_rank`` > 0: the build that adds LoRA terms of that rank in its epilogue
+        (`LoraInputs`, one of `LORA_RANKS`)."""
         bf16 = "true" if dtype == torch.bfloat16 else "false"
-        return f"nvfp4_mma_kernel<{self.m_tiles}, {self.n_tiles}, {self.k_warps}, {bf16}>"
+        suffix = f", {lora_rank}" if lora_rank else ""
+        return f"nvfp4_mma_kernel<{self.m_tiles}, {self.n_tiles}, {self.k_warps}, {bf16}{suffix}>"
 
     def __str__(self) -> str:
         return f"mma {self.rows}r x {self.tokens}t kw{self.k_warps}"
@@ -99,6 +102,89 @@ class _Segments(ctypes.Structure):
 
 Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(weight_packed uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_global_scale float32 [1])"""
+
+
+LORA_RANKS = (4, 8, 16, 32, 64, 128)
+"""LoRA ranks the decode kernel's epilogue takes (a template parameter, so the dot product unrolls)."""
+
+
+class _LoraTerms(ctypes.Structure):
+    # mirrors `struct LoraTerms` in csrc/nvfp4_mma.cu
+    _fields_ = [
+        ("t", ctypes.c_void_p),
+        ("b", ctypes.c_void_p * MAX_SEGMENTS),
+        ("scaling", ctypes.c_float * MAX_SEGMENTS),
+        ("t_col", ctypes.c_int * MAX_SEGMENTS),
+        ("ld_t", ctypes.c_int),
+    ]
+
+
+@dataclass(frozen=True)
+class LoraInputs:
+    """LoRA terms the decode kernel adds in its epilogue, one optional term per weight of the launch.
+
+    Attributes:
+        hidden: ``x @ A_i.T`` of every weight that has an adapter, side by side in weight order: fp32 ``[M, sum r_i]``.
+        lora_b: per weight, its fp32 ``B [N_i, r_i]`` (as stored), or None for a weight without an adapter.
+        scaling: per weight, the adapter's scaling (ignored where ``lora_b`` is None).
+    """
+
+    hidden: torch.Tensor
+    lora_b: Sequence[torch.Tensor | None]
+    scaling: Sequence[float]
+
+    @property
+    def rank(self) -> int:
+        """The adapters' rank (0 if they differ, or if no weight has one)."""
+        ranks = {b.shape[1] for b in self.lora_b if b is not None}
+        return ranks.pop() if len(ranks) == 1 else 0
+
+    def columns(self) -> list[int]:
+        """First column of each weight's block of ``hidden`` (weights without an adapter take none)."""
+        starts, col = [], 0
+        for b in self.lora_b:
+            starts.append(col)
+            col += b.shape[1] if b is not None else 0
+        return starts
+
+
+def lora_supported(x: torch.Tensor, weights: Sequence[Weight], lora: LoraInputs) -> bool:
+    """Whether the decode kernel's epilogue can add these LoRA terms: fp32 ``hidden`` with 16-byte aligned rows and
+    fp32 row-major ``B`` matrices matching the weights' rows, 16-byte aligned, all of one rank in `LORA_RANKS`."""
+    hidden = lora.hidden
+    if len(lora.lora_b) != len(weights) or len(lora.scaling) != len(weights) or lora.rank not in LORA_RANKS:
+        return False
+    if hidden.dtype != torch.float32 or hidden.dim() != 2 or hidden.shape[0] != x.shape[0] or hidden.stride(1) != 1:
+        return False
+    if hidden.stride(0) % 4 or not _aligned(hidden) or hidden.device != x.device:
+        return False
+    if hidden.shape[1] != sum(b.shape[1] for b in lora.lora_b if b is not None):
+        return False
+    for (packed, _, _), b in zip(weights, lora.lora_b):
+        if b is None:
+            continue
+        if b.dtype != torch.float32 or b.dim() != 2 or b.shape[0] != packed.shape[0]:
+            return False
+        if not (b.is_contiguous() and _aligned(b)) or b.device != x.device:
+            return False
+    return True
+
+
+def lora_fits(config: MMAConfig) -> bool:
+    """Whether ``config``'s LoRA build fits the static shared memory: its K-split sums plus the CTA's
+    ``float terms[tokens][rows]``."""
+    return config.shared_memory_bytes + 4 * config.rows * config.tokens <= _SHARED_MEMORY_LIMIT
+
+
+def _lora_terms(lora: LoraInputs | None) -> _LoraTerms:
+    terms = _LoraTerms()
+    if lora is None:
+        return terms
+    terms.t, terms.ld_t = lora.hidden.data_ptr(), lora.hidden.stride(0)
+    for i, (b, scaling, col) in enumerate(zip(lora.lora_b, lora.scaling, lora.columns())):
+        terms.b[i] = b.data_ptr() if b is not None else None
+        terms.scaling[i], terms.t_col[i] = float(scaling), col
+    return terms
 
 
 def _aligned(tensor: torch.Tensor) -> bool:
@@ -160,10 +246,12 @@ def matmul(
     biases: Sequence[torch.Tensor | None] | None = None,
     out: torch.Tensor | None = None,
     options: tuple[str, ...] = (),
+    lora: LoraInputs | None = None,
 ) -> torch.Tensor:
-    """``[x @ W_0.T + b_0, x @ W_1.T + b_1, ...]`` side by side in one ``[M, sum N_i]`` tensor, one launch.
+    """``[x @ W_0.T + b_0, x @ W_1.T + b_1, ...]`` side by side in one ``[M, sum N_i]`` tensor, one launch; with
+    ``lora``, each output plus its adapter's ``scaling * hidden_i @ B_i.T`` (the base rounded first, then the sum).
 
-    Callers check `supports` first. ``biases`` (one per weight, or None) are in ``x.dtype``."""
+    Callers check `supports` (and `lora_supported`) first. ``biases`` (one per weight, or None) are in ``x.dtype``."""
     m, k = x.shape
     biases = list(biases) if biases is not None else [None] * len(weights)
     segments, tiles, total = segments_of(weights, biases, config.rows)
@@ -172,10 +260,11 @@ def matmul(
     grid = (-(-m // config.tokens), tiles, 1)
     args = [
         ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
-        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)), segments,
+        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)), segments, _lora_terms(lora),
     ]  # fmt: skip
     programmatic = programmatic_launch(x.device)
-    build = kernel(config, x.dtype, x.device, options + PDL_BUILD if programmatic else options)
+    name = config.name_expression(x.dtype, lora_rank=lora.rank if lora is not None else 0)
+    build = kernel(name, x.dtype, x.device, options + PDL_BUILD if programmatic else options)
     build.launch(grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic)
     return out
 

@@ -14,16 +14,27 @@ import torch
 import torch.nn.functional as F
 
 from .format import dequantize
+from .lora_terms import add_lora_terms
 
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Tensors = list[torch.Tensor]
-GroupedFn = Callable[[torch.Tensor, Tensors, Tensors, Tensors, list[torch.Tensor | None]], torch.Tensor]
+OptionalTensors = list[torch.Tensor | None]
+GroupedFn = Callable[[torch.Tensor, Tensors, Tensors, Tensors, OptionalTensors], torch.Tensor]
+GroupedLoraFn = Callable[
+    [torch.Tensor, Tensors, Tensors, Tensors, OptionalTensors, torch.Tensor, OptionalTensors, list[float]],
+    torch.Tensor,
+]
 
 
 def _reference_grouped(x, weight_packed, weight_scale, weight_global_scale, bias):
     outs = [_reference_linear(x, *weight) for weight in zip(weight_packed, weight_scale, weight_global_scale)]
     return torch.cat([out + b.to(out.dtype) if b is not None else out for out, b in zip(outs, bias)], dim=1)
+
+
+def _reference_grouped_lora(x, weight_packed, weight_scale, weight_global_scale, bias, hidden, lora_b, scaling):
+    out = _reference_grouped(x, weight_packed, weight_scale, weight_global_scale, bias)
+    return add_lora_terms(out, [p.shape[0] for p in weight_packed], hidden, lora_b, scaling)
 
 
 @dataclass(frozen=True)
@@ -36,12 +47,16 @@ class NVFP4Kernels:
         name: shown in logs and benchmarks.
         grouped: ``(x, packed[], scale[], global_scale[], bias[]) -> cat([x @ W_i.T + b_i], dim=1)`` for weights
             that read the same activations (q/k/v, gate/up); the reference computes one product per weight.
+        grouped_lora: ``grouped`` plus one LoRA term per weight, ``(..., hidden, lora_b[], scaling[])``: each output
+            ``round(round(x @ W_i.T + b_i) + scaling_i * hidden_i @ B_i.T)`` (see `add_lora_terms`); on CUDA the
+            decode kernel adds the terms in its epilogue.
     """
 
     linear: LinearFn
     grad_input: LinearFn
     name: str
     grouped: GroupedFn = _reference_grouped
+    grouped_lora: GroupedLoraFn = _reference_grouped_lora
 
 
 def _reference_linear(x, weight_packed, weight_scale, weight_global_scale):
@@ -81,6 +96,10 @@ def _load_cuda_kernels() -> None:
     register_kernels(
         "cuda",
         NVFP4Kernels(
-            ops.nvfp4_linear, ops.nvfp4_grad_input, name=kernels.KERNELS_NAME, grouped=ops.nvfp4_linear_grouped
-        ),
+            ops.nvfp4_linear,
+            ops.nvfp4_grad_input,
+            name=kernels.KERNELS_NAME,
+            grouped=ops.nvfp4_linear_grouped,
+            grouped_lora=ops.nvfp4_linear_grouped_lora,
+        ),  # fmt: skip
     )

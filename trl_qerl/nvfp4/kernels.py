@@ -52,6 +52,7 @@ from . import cuda_mma, cuda_wgmma, nvrtc
 from .cuda_mma import MMAConfig, TileConfig
 from .cuda_wgmma import WgmmaConfig
 from .format import dequantize
+from .lora_terms import add_lora_terms
 
 
 logger = logging.getLogger(__name__)
@@ -991,6 +992,33 @@ def grouped_linear(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch
     return _separate_products(x, weights, biases)
 
 
+def grouped_linear_lora(
+    x: torch.Tensor,
+    weights: Sequence[cuda_mma.Weight],
+    biases: Sequence[torch.Tensor | None],
+    lora: cuda_mma.LoraInputs,
+) -> torch.Tensor:
+    """`grouped_linear` plus one LoRA term per weight (`lora_terms.add_lora_terms`). Where the chooser picks the
+    decode kernel (decode sizes) it adds the terms in its epilogue, one launch in all; with any other choice the
+    terms are added after the product (the same numbers up to the order of fp32 sums)."""
+    if mma_usable(x, weights) and cuda_mma.lora_supported(x, weights, lora):
+        choice = None
+        try:
+            choice = CHOOSER.choose(x, *weights[0]) if len(weights) == 1 else CHOOSER.choose_group(x, weights)
+            if isinstance(choice, MMAConfig) and cuda_mma.lora_fits(choice) and _applies(choice, x, weights, True):
+                bias = [b.to(x.dtype) if b is not None else None for b in biases]
+                return cuda_mma.matmul(x, weights, choice, bias, lora=lora)
+        except nvrtc.NVRTCError as error:
+            _cuda_kernel_failed(x, choice, error)
+    if len(weights) == 1:
+        out = nvfp4_linear_op(x, *weights[0])
+        out = out + biases[0].to(out.dtype) if biases[0] is not None else out
+    else:
+        out = grouped_linear(x, weights, biases)
+    widths = [packed.shape[0] for packed, _, _ in weights]
+    return add_lora_terms(out, widths, lora.hidden, list(lora.lora_b), list(lora.scaling))
+
+
 KERNELS_NAME = "triton"
 """How the CUDA kernels are named in logs and benchmarks."""
 
@@ -1066,6 +1094,40 @@ def _(x, weight_packed, weight_scale, weight_global_scale, bias):
     return x.new_empty(x.shape[0], sum(p.shape[0] for p in weight_packed))
 
 
+@torch.library.custom_op("trl_qerl::nvfp4_linear_grouped_lora", mutates_args=())
+def nvfp4_linear_grouped_lora_op(
+    x: torch.Tensor,
+    weight_packed: list[torch.Tensor],
+    weight_scale: list[torch.Tensor],
+    weight_global_scale: list[torch.Tensor],
+    bias: list[torch.Tensor | None],
+    hidden: torch.Tensor,
+    lora_b: list[torch.Tensor | None],
+    scaling: list[float],
+) -> torch.Tensor:
+    """`nvfp4_linear_grouped_op` (one to three weights) plus each weight's LoRA term ``scaling_i * hidden_i @
+    B_i.T``, ``hidden`` = ``x @ A_i.T`` of the weights with an adapter side by side (`grouped_linear_lora`)."""
+    counts = {len(weight_packed), len(weight_scale), len(weight_global_scale), len(bias), len(lora_b), len(scaling)}
+    if not weight_packed or len(counts) != 1:
+        raise ValueError(
+            "nvfp4_linear_grouped_lora: give one packed tensor, scale, global scale, bias, lora_b and scaling per "
+            "weight (None / any scaling for a weight without an adapter)."
+        )
+    ranks = sum(b.shape[1] for b in lora_b if b is not None)
+    if hidden.dim() != 2 or hidden.shape[0] != x.shape[0] or hidden.shape[1] != ranks:
+        raise ValueError(
+            f"nvfp4_linear_grouped_lora: hidden has shape {tuple(hidden.shape)}, expected ({x.shape[0]}, {ranks}): "
+            "x @ A.T of every adapter, side by side in weight order."
+        )
+    weights = list(zip(weight_packed, weight_scale, weight_global_scale))
+    return grouped_linear_lora(x, weights, bias, cuda_mma.LoraInputs(hidden, lora_b, scaling))
+
+
+@nvfp4_linear_grouped_lora_op.register_fake
+def _(x, weight_packed, weight_scale, weight_global_scale, bias, hidden, lora_b, scaling):
+    return x.new_empty(x.shape[0], sum(p.shape[0] for p in weight_packed))
+
+
 __all__ = [
     "AMPERE",
     "MMA_MAX_ROWS",
@@ -1079,6 +1141,7 @@ __all__ = [
     "TritonPath",
     "candidate_configs",
     "grouped_linear",
+    "grouped_linear_lora",
     "mma_usable",
     "dequantize_cuda",
     "device_path",

@@ -31,12 +31,22 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..nvfp4.cuda_mma import LORA_RANKS
 from ..nvfp4.dispatch import kernels_for
 from .decode_attention import split_kv_applies, split_kv_attention, triton_available
 from .decoder_spec import DecoderSpec, LayerSpec, NormSpec, Projection
 
 
-__all__ = ["DECODE_ATTENTION", "FusedDecoder", "apply_rotary", "attention", "lora_shrink", "project", "rms_norm"]
+__all__ = [
+    "DECODE_ATTENTION",
+    "LORA_EPILOGUE",
+    "FusedDecoder",
+    "apply_rotary",
+    "attention",
+    "lora_shrink",
+    "project",
+    "rms_norm",
+]
 
 
 logger = logging.getLogger(__name__)
@@ -63,6 +73,15 @@ on the H200 (7B, r32, 256 new tokens, one process per value, 2026-12-02): batch 
 step with 64 / 0 / 16, batch 32 8.99 / 8.83 / 8.82 ms: reductions win at 8 rows, matmuls at 32."""
 
 
+LORA_EPILOGUE = True
+"""Up to `LORA_REDUCTION_ROWS` rows, NVFP4 projections with one fp32 adapter each, of one rank in `LORA_RANKS` per
+group, get their LoRA terms added by the NVFP4 product (`NVFP4Kernels.grouped_lora`: on GPUs the CUDA decode
+kernel's epilogue; elsewhere, or where the chooser picks another kernel, added after the product), so no kernel of
+the step reads the base output back to expand and add them. Other adapters, and ``False``, take the expand as its
+own reductions (how the step ran before; ``False`` is kept for benchmarks: `scripts/bench_rollout.py`'s
+``+lora_unfused`` engine)."""
+
+
 def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list[torch.Tensor]]:
     """``x @ A.T`` for every LoRA term of ``projections`` (per projection, per term), in the adapters' dtype. Terms
     of one dtype are computed as one product over their concatenated A matrices: concatenating a few rank-r
@@ -85,7 +104,9 @@ def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list
 
 def project(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Tensor]:
     """``base(x) + Σ scaling·B(A(x))`` for projections that read the same ``x[M, K]``; one output per projection
-    in ``x``'s dtype. NVFP4 bases run as one grouped launch."""
+    in ``x``'s dtype. NVFP4 bases run as one grouped launch (with their LoRA terms, see `LORA_EPILOGUE`)."""
+    if _lora_in_epilogue(x, projections):
+        return _project_with_lora_epilogue(x, projections)
     if all(p.is_nvfp4 for p in projections) and len(projections) > 1:
         fused = kernels_for(x.device).grouped(
             x, [p.packed for p in projections], [p.scale for p in projections],
@@ -104,6 +125,37 @@ def project(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Te
             update = sum(F.linear(h, term.lora_b) * term.scaling for term, h in zip(projection.lora, hidden))
             outputs[index] = (outputs[index] + update).to(x.dtype)
     return outputs
+
+
+def _lora_in_epilogue(x: torch.Tensor, projections: Sequence[Projection]) -> bool:
+    if not LORA_EPILOGUE or x.shape[0] > LORA_REDUCTION_ROWS or not any(p.lora for p in projections):
+        return False
+    if len(projections) > 3 or not all(p.is_nvfp4 and len(p.lora) <= 1 for p in projections):
+        return False
+    terms = [term for p in projections for term in p.lora]
+    ranks = {t.lora_b.shape[1] for t in terms}
+    return (
+        ranks <= set(LORA_RANKS)
+        and len(ranks) == 1
+        and all(t.lora_a.dtype == t.lora_b.dtype == torch.float32 for t in terms)
+    )
+
+
+def _project_with_lora_epilogue(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Tensor]:
+    # The shrink (x @ A.T, fp32) stays here: compiled, it is a reduction that fuses into the kernel making x.
+    terms = [p.lora[0] if p.lora else None for p in projections]
+    present = [t for t in terms if t is not None]
+    if torch.compiler.is_compiling():
+        parts = [(x[:, None, :].to(t.lora_a.dtype) * t.lora_a[None]).sum(-1) for t in present]
+    else:
+        parts = [F.linear(x.to(t.lora_a.dtype), t.lora_a) for t in present]
+    hidden = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    fused = kernels_for(x.device).grouped_lora(
+        x, [p.packed for p in projections], [p.scale for p in projections], [p.global_scale for p in projections],
+        [p.bias for p in projections], hidden, [t.lora_b if t is not None else None for t in terms],
+        [t.scaling if t is not None else 0.0 for t in terms],
+    )  # fmt: skip
+    return list(fused.split([p.out_features for p in projections], dim=-1))
 
 
 def _add_lora_as_reductions(x, projections, outputs):

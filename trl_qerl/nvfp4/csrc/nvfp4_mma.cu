@@ -53,6 +53,90 @@ struct Segments {
   int count;
 };
 
+// LoRA on top of the decode kernel's products (built with LORA_RANK > 0): segment s's output becomes
+//   round(round(x @ W.T * factor + bias) + scaling[s] * t[:, t_col[s] : t_col[s] + LORA_RANK] @ B[s].T),
+// where t = x @ A.T of every adapter (fp32, computed before the launch: a reduction the step fuses into the kernel
+// that makes x) and B[s] the fp32 [rows, LORA_RANK] matrix as stored. The base is rounded first, as `base(x) +
+// lora(x)` of the layer's code rounds it, so the numbers are those of the unfused step up to the order of fp32 sums.
+// What this saves is the kernel that would read the base output back, expand t and add it (one per projection).
+// The rank is a template parameter: with a run-time rank the compiler allocated the main loop's registers
+// differently (+9 % instructions there; tests/test_lora_epilogue.py checks the sm_90 SASS).
+struct LoraTerms {
+  const float* t;                   // [M, ld_t], 16-byte aligned rows
+  const float* b[MAX_SEGMENTS];     // [rows, LORA_RANK] row-major, 16-byte aligned, or null: no adapter on segment s
+  float scaling[MAX_SEGMENTS];
+  int t_col[MAX_SEGMENTS];          // multiples of 4
+  int ld_t;                         // multiple of 4
+};
+
+// a[s] with constant indices: a run-time index into a kernel parameter's array makes the compiler copy the whole
+// parameter to the stack (local memory).
+template <typename T>
+__device__ __forceinline__ T pick(const T (&a)[MAX_SEGMENTS], int s) {
+  return s == 0 ? a[0] : (s == 1 ? a[1] : a[2]);
+}
+
+// The LoRA terms of a CTA's TOKENS x ROWS outputs into terms[token][row] (shared memory), by all THREADS threads.
+// LANES = RANK / 4 lanes (at most 32) share a row: lane c holds the row's 16-byte chunk c of B (one coalesced
+// load: a warp reads 32 / LANES whole rows), multiplies it with chunk c of each token's t row, and the LANES lanes
+// add their sums by shuffles. B is read once per CTA; rows past the segment and missing tokens give zeros (every
+// lane takes part in every shuffle). Passes and groups of 8 tokens are unrolled so that their loads issue together:
+// this runs after the main loop, where its latency is exposed (a loop over tokens, one load at a time, measured
+// 13 us more per 7B gate_up call at 8 rows on the H200; an L2 prefetch of B before the main loop, no difference).
+template <int RANK, int ROWS, int TOKENS, int THREADS>
+__device__ __forceinline__ void lora_terms(float (&terms)[TOKENS][ROWS], const LoraTerms& lora, int s, int rows,
+                                           int row0, int tok0, int M) {
+  constexpr int LANES = RANK / 4 < 32 ? RANK / 4 : 32;
+  constexpr int CHUNKS = RANK / 4 / LANES;  // 16-byte chunks per lane (rank 128: one)
+  constexpr int ROWS_PER_PASS = THREADS / LANES;
+  constexpr int PASSES = (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+  constexpr int GROUP = TOKENS < 8 ? TOKENS : 8;
+  const float* b = pick(lora.b, s);
+  const float* t = lora.t + pick(lora.t_col, s);
+  const float scaling = pick(lora.scaling, s);
+  const int c = threadIdx.x % LANES;
+  float4 b4[PASSES][CHUNKS];
+  #pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    const int r = pass * ROWS_PER_PASS + (int)threadIdx.x / LANES;
+    #pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      b4[pass][j] = r < ROWS && row0 + r < rows
+                        ? reinterpret_cast<const float4*>(b + (u64)(row0 + r) * RANK)[c + j * LANES]
+                        : float4{0.0f, 0.0f, 0.0f, 0.0f};
+    }
+  }
+  #pragma unroll 1
+  for (int first = 0; first < TOKENS; first += GROUP) {
+    float4 t4[GROUP][CHUNKS];
+    #pragma unroll
+    for (int i = 0; i < GROUP; ++i) {
+      const int token = min(tok0 + first + i, M - 1);  // tokens past M: a real row's load, never used
+      #pragma unroll
+      for (int j = 0; j < CHUNKS; ++j) {
+        t4[i][j] = reinterpret_cast<const float4*>(t + (u64)token * lora.ld_t)[c + j * LANES];
+      }
+    }
+    #pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int r = pass * ROWS_PER_PASS + (int)threadIdx.x / LANES;
+      #pragma unroll
+      for (int i = 0; i < GROUP; ++i) {
+        if (tok0 + first + i >= M) break;  // the same for every lane: no shuffle is left half done
+        float sum = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) {
+          const float4 a = t4[i][j], w = b4[pass][j];
+          sum = fmaf(a.x, w.x, fmaf(a.y, w.y, fmaf(a.z, w.z, fmaf(a.w, w.w, sum))));
+        }
+        #pragma unroll
+        for (int offset = LANES / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        if (c == 0 && r < ROWS) terms[first + i][r] = scaling * sum;
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   // Weights are read once: keep them out of L1 so the activations (re-read by every warp) stay there.
   uint4 v;
@@ -306,9 +390,10 @@ __device__ __forceinline__ RowTile row_tile(const Segments& seg, int rows_per_ti
   return {s, seg.rows[s], ((int)blockIdx.y - seg.tile_start[s]) * rows_per_tile};
 }
 
-template <int MT, int NT, int KW, bool BF16>
+template <int MT, int NT, int KW, bool BF16, int LORA_RANK = 0>
 __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
-                                                            u16* __restrict__ out, int ldo, Segments seg) {
+                                                            u16* __restrict__ out, int ldo, Segments seg,
+                                                            LoraTerms lora) {
   constexpr bool PREFETCH_X = NT <= 2;
   constexpr int ROWS = 16 * MT, TOKENS = 8 * NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -405,6 +490,13 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
       partial[warp][nt * 8 + 2 * t + 1][mt * 16 + g + 8] = acc[mt][nt][3];
     }
   }
+  // (a LoRA-free build keeps a one-element array the compiler drops)
+  __shared__ float terms[LORA_RANK > 0 ? TOKENS : 1][LORA_RANK > 0 ? ROWS : 1];
+  const bool lora_here = LORA_RANK > 0 && pick(lora.b, s) != nullptr;
+  if (LORA_RANK > 0 && lora_here) {
+    lora_terms<(LORA_RANK > 0 ? LORA_RANK : 4), ROWS, TOKENS, 32 * KW>(
+        reinterpret_cast<float(&)[TOKENS][ROWS]>(terms), lora, s, rows, row0, tok0, M);
+  }
   __syncthreads();
   const float factor = (BF16 ? 9223372036854775808.0f : 16384.0f) / *seg.global_scale[s];
   const u16* bias = seg.bias[s];
@@ -417,6 +509,7 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
     for (int w = 0; w < KW; ++w) sum += partial[w][tok][r];
     sum *= factor;
     if (bias != nullptr) sum += input_to_float<BF16>(bias[row]);
+    if (lora_here) sum = input_to_float<BF16>(round_to_output<BF16>(sum)) + (&terms[0][0])[tok * ROWS + r];
     out[(u64)(tok0 + tok) * ldo + seg.col_start[s] + row] = round_to_output<BF16>(sum);
   }
 }

@@ -1,0 +1,107 @@
+"""LoRA terms in the NVFP4 decode kernel's epilogue against the same terms added by their own compiled kernel, per
+projection of a Qwen2.5 layer at decode sizes, all in one run (CUDA-graph replays, median).
+
+Columns (µs per call): the NVFP4 product alone (no LoRA: the floor of both paths); ``unfused``: the product, then
+``torch.compile`` of the expand-and-add the fused decode step ran before (`fused_decode._add_lora_as_reductions`,
+fp32 masters, rounded once), two launches; ``epilogue``: the decode kernel's LoRA build through `cuda_mma.matmul`
+with the chooser's instance (one launch: what ``trl_qerl::nvfp4_linear_grouped_lora`` runs). The shrink
+(``x @ A.T``) is the same in both paths and not timed. Ratios: epilogue / unfused.
+
+Usage (a CUDA GPU):
+    python scripts/bench_lora_epilogue.py --model qwen2.5-7b --rows 1 8 16 --rank 32 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+from model_shapes import NAMES, qwen25_config
+
+from trl_qerl.nvfp4 import cuda_mma, kernels
+from trl_qerl.nvfp4.format import quantize
+from trl_qerl.rollout.decoder_spec import LoraTerm, Projection
+from trl_qerl.rollout.fused_decode import _add_lora_as_reductions
+
+
+def layer_groups(config) -> dict[str, tuple[list[int], int]]:
+    """Projection groups of one layer as the fused step launches them: name -> (rows of each weight, K)."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "qkv": ([config.num_attention_heads * head_dim, kv, kv], hidden),
+        "o": ([hidden], config.num_attention_heads * head_dim),
+        "gate_up": ([inter, inter], hidden),
+        "down": ([hidden], inter),
+    }
+
+
+def time_us(call) -> float:
+    call()
+    return triton.testing.do_bench_cudagraph(call, rep=20, return_mode="median") * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-7b", choices=NAMES)
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch._dynamo.config.recompile_limit = 64  # one compiled expand per projection group and row count
+    config = qwen25_config(args.model)
+    results = []
+    print(f"LoRA r{args.rank} terms, {args.model} shapes, {torch.cuda.get_device_name()}")
+    print("| group | M | product µs | unfused µs | epilogue µs | epilogue / unfused |")
+    print("|---|---|---|---|---|---|")
+    for name, (rows, k) in layer_groups(config).items():
+        weights = [tuple(t.cuda() for t in quantize(torch.randn(n, k) * 0.02)) for n in rows]
+        terms = [LoraTerm(torch.randn(args.rank, k, device="cuda") / k**0.5,
+                          torch.randn(n, args.rank, device="cuda") * 0.01, 2.0) for n in rows]  # fmt: skip
+        projections = [Projection(n, packed=p, scale=s, global_scale=g, lora=(t,))
+                       for n, (p, s, g), t in zip(rows, weights, terms)]  # fmt: skip
+        packed, scale, gs = (list(t) for t in zip(*weights))
+        lora_b, scaling = [t.lora_b for t in terms], [t.scaling for t in terms]
+        unfused_expand = torch.compile(
+            lambda x, outs: _add_lora_as_reductions(x, projections, outs), fullgraph=True, dynamic=False
+        )
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            hidden = torch.cat([x.float() @ t.lora_a.T for t in terms], dim=1)
+
+            def product():
+                return torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale, gs, [None] * len(rows))
+
+            def unfused():
+                return unfused_expand(x, list(product().split(rows, dim=1)))
+
+            def epilogue():
+                choice = (
+                    kernels.CHOOSER.choose(x, *weights[0])
+                    if len(rows) == 1
+                    else kernels.CHOOSER.choose_group(x, weights)
+                )
+                assert isinstance(choice, cuda_mma.MMAConfig), f"the chooser picked {choice}, not the decode kernel"
+                lora = cuda_mma.LoraInputs(hidden, lora_b, scaling)
+                return cuda_mma.matmul(x, weights, choice, lora=lora)
+
+            row = {"group": name, "m": m, "product_us": time_us(product), "unfused_us": time_us(unfused),
+                   "epilogue_us": time_us(epilogue),
+                   "choice": str(kernels.CHOOSER.choose_group(x, weights) if len(rows) > 1
+                                 else kernels.CHOOSER.choose(x, *weights[0]))}  # fmt: skip
+            ours = torch.cat(unfused(), dim=1).double()
+            row["relative_error_vs_unfused"] = ((epilogue().double() - ours).norm() / ours.norm()).item()
+            results.append(row)
+            print(f"| {name} | {m} | {row['product_us']:.1f} | {row['unfused_us']:.1f} | {row['epilogue_us']:.1f} | "
+                  f"{row['epilogue_us'] / row['unfused_us']:.2f} |", flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
