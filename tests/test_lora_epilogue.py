@@ -101,6 +101,22 @@ def test_the_kernel_takes_only_what_its_epilogue_reads():
     assert not cuda_mma.lora_supported(x, weights, cuda_mma.LoraInputs(hidden, lora_b[:2], SCALING[:2]))
 
 
+def test_terms_the_kernel_cannot_take_are_added_after_the_product_with_one_log_line(monkeypatch, caplog):
+    import logging
+
+    from trl_qerl.nvfp4 import kernels
+
+    monkeypatch.setattr(kernels, "_LORA_NOTED", set())
+    x, weights, _, hidden, lora_b = _case(2, 256, torch.bfloat16, "cpu")
+    odd = cuda_mma.LoraInputs(hidden[:, :24].contiguous(), [lora_b[0][:, :12].contiguous(), None,
+                                                            lora_b[2][:, :12].contiguous()], SCALING)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="trl_qerl.nvfp4.kernels"):
+        for _ in range(3):
+            kernels._note_lora_after_product(odd)
+    notes = [r.message for r in caplog.records if "added after the product" in r.message]
+    assert len(notes) == 1 and "rank 12" in notes[0] and "float32" in notes[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "down_proj"]], ids=["all", "some"])
 def test_fused_step_projections_equal_the_unfused_lora_path(monkeypatch, dtype, targets):

@@ -101,5 +101,5 @@ def _load_cuda_kernels() -> None:
             name=kernels.KERNELS_NAME,
             grouped=ops.nvfp4_linear_grouped,
             grouped_lora=ops.nvfp4_linear_grouped_lora,
-        ),  # fmt: skip
+        ),
     )

@@ -1001,7 +1001,10 @@ def grouped_linear_lora(
     """`grouped_linear` plus one LoRA term per weight (`lora_terms.add_lora_terms`). Where the chooser picks the
     decode kernel (decode sizes) it adds the terms in its epilogue, one launch in all; with any other choice the
     terms are added after the product (the same numbers up to the order of fp32 sums)."""
-    if mma_usable(x, weights) and cuda_mma.lora_supported(x, weights, lora):
+    usable = mma_usable(x, weights)
+    if usable and not cuda_mma.lora_supported(x, weights, lora):
+        _note_lora_after_product(lora)
+    elif usable:
         choice = None
         try:
             choice = CHOOSER.choose(x, *weights[0]) if len(weights) == 1 else CHOOSER.choose_group(x, weights)
@@ -1017,6 +1020,21 @@ def grouped_linear_lora(
         out = grouped_linear(x, weights, biases)
     widths = [packed.shape[0] for packed, _, _ in weights]
     return add_lora_terms(out, widths, lora.hidden, list(lora.lora_b), list(lora.scaling))
+
+
+_LORA_NOTED: set[int] = set()
+
+
+def _note_lora_after_product(lora: cuda_mma.LoraInputs) -> None:
+    """One log line per rank: these LoRA terms cannot go into the decode kernel's epilogue (`cuda_mma.lora_supported`:
+    fp32, aligned, one rank per launch in `cuda_mma.LORA_RANKS`), so they are added after the product."""
+    if lora.rank not in _LORA_NOTED:
+        _LORA_NOTED.add(lora.rank)
+        logger.info(
+            "NVFP4: LoRA terms (rank %s, B %s) are added after the product, not in the decode kernel's epilogue, "
+            "which takes fp32 adapters of one rank in %s per launch.",
+            lora.rank or "mixed", next((str(b.dtype) for b in lora.lora_b if b is not None), "-"), cuda_mma.LORA_RANKS,
+        )  # fmt: skip
 
 
 KERNELS_NAME = "triton"
