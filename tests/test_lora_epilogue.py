@@ -157,6 +157,18 @@ def test_fused_step_projections_equal_the_unfused_lora_path(monkeypatch, dtype, 
             assert took_epilogue == (has_lora and m <= fused_decode.LORA_REDUCTION_ROWS)
 
 
+def test_kernel_argument_structures_match_the_source():
+    """The ctypes mirrors have the sizes the source's static_asserts pin (a build fails if the CUDA side changes;
+    this fails if the Python side does), and the offsets of the fields as the CUDA compiler lays them out."""
+    import ctypes
+
+    assert ctypes.sizeof(cuda_mma._Segments) == 144
+    assert cuda_mma._Segments.rows.offset == 96 and cuda_mma._Segments.count.offset == 136
+    assert ctypes.sizeof(cuda_mma._LoraTerms) == 64
+    assert cuda_mma._LoraTerms.scaling.offset == 32 and cuda_mma._LoraTerms.ld_t.offset == 56
+    assert "sizeof(LoraTerms) == 64" in cuda_mma.source() and "sizeof(Segments) == 144" in cuda_mma.source()
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
 def test_lora_builds_compile_for_each_target(arch):

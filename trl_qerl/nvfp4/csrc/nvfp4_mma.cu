@@ -69,6 +69,11 @@ struct LoraTerms {
   int ld_t;                         // multiple of 4
 };
 
+// The launchers pass both structures from Python (ctypes mirrors in cuda_mma.py, whose test checks the same sizes;
+// NVRTC 13.0 has no offsetof).
+static_assert(sizeof(Segments) == 144, "struct Segments no longer matches cuda_mma._Segments");
+static_assert(sizeof(LoraTerms) == 64, "struct LoraTerms no longer matches cuda_mma._LoraTerms");
+
 // a[s] with constant indices: a run-time index into a kernel parameter's array makes the compiler copy the whole
 // parameter to the stack (local memory).
 template <typename T>
