@@ -8,9 +8,16 @@ length: a step whose padded length differs from the warm-up's may pay one-off ke
 rollout / reward / log-prob / forward+backward, rollout tokens/s, and peak allocated device memory. ``--batch``
 takes several sizes (the paper's Table 3: 2 4 8); each mode and batch trains its own trainer in the same process.
 
+Random weights never emit the EOS token, so every completion is full length. ``--eos-rate R`` adds R of the
+vocabulary as EOS ids (lengths then spread geometrically, mean ~1/R), which is what real data's length spread costs:
+padded lengths that change every step, rows that finish early. ``--pad-to-multiple-of`` sets
+`QeRLConfig.pad_to_multiple_of` ("auto": 64 on CUDA; "none"), to compare what padding saves on such steps.
+
 Usage:
     python scripts/bench_grpo_step.py --model qwen2.5-7b --modes nvfp4 bf16 --batch 8 --prompt-tokens 256 \
         --completion-tokens 256 --rollout-backend transformers
+    python scripts/bench_grpo_step.py --model qwen2.5-7b --in-memory --modes nvfp4 --batch 8 --completion-tokens 1024 \
+        --rollout-backend fast --steps 7 --eos-rate 0.002 --pad-to-multiple-of none   # then 64
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from model_shapes import NAMES, build_nvfp4_streamed, qwen25_config, synthetic_tokenizer, write_checkpoint
-from transformers import AutoModelForCausalLM
+from model_shapes import NAMES, build_nvfp4_streamed, qwen25_config, spread_eos, synthetic_tokenizer, write_checkpoint
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_qerl.config import QeRLConfig
 from trl_qerl.lora import nvfp4_lora_config
@@ -43,6 +50,18 @@ def prompts(batch: int, tokens: int, vocab: int, seed: int = 0) -> Dataset:
     rng = random.Random(seed)
     rows = [" ".join(f"w{rng.randrange(3, vocab)}" for _ in range(tokens)) for _ in range(batch * 4)]
     return Dataset.from_dict({"prompt": rows})
+
+
+def eos_ids(tokenizer, rate: float) -> list[int]:
+    """The tokenizer's EOS and ``rate`` of the vocabulary besides (`spread_eos`)."""
+    return sorted({tokenizer.eos_token_id, *spread_eos(tokenizer.vocab_size, rate)})
+
+
+def pad_setting(value: str) -> int | str | None:
+    """``--pad-to-multiple-of``: "auto", "none" or a number, as `QeRLConfig.pad_to_multiple_of` takes it."""
+    if value == "auto":
+        return value
+    return None if value == "none" else int(value)
 
 
 def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) -> dict:
@@ -66,8 +85,11 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
     elif checkpoint is None:  # build the 16-bit model in device memory; the trainer quantises it in place
         with torch.device("cuda" if cuda else "cpu"):
             model = AutoModelForCausalLM.from_config(qwen25_config(args.model), dtype=torch.bfloat16)
+    if not isinstance(model, str) and args.eos_rate > 0:  # TRL reads the EOS ids from the generation config
+        model.generation_config.eos_token_id = eos_ids(tokenizer, args.eos_rate)
     config = QeRLConfig(
         output_dir=tempfile.mkdtemp(prefix=f"grpo-{mode}-"),
+        pad_to_multiple_of=pad_setting(args.pad_to_multiple_of),
         quantization=mode,
         max_steps=args.steps,
         per_device_train_batch_size=batch,
@@ -127,6 +149,8 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         "completion_length_each": [e["completions/mean_length"] for e in steps],
         "forward_backward_s_each": [e["time/forward_backward_s"] for e in steps],
         "warmup": {key: warmup[key] for key in ("time/step_s", "time/forward_backward_s", "completions/mean_length")},
+        "eos_rate": args.eos_rate,
+        "pad_to_multiple_of": trainer.args.pad_to_multiple_of,
         **build,
     }
     del trainer, base
@@ -160,6 +184,11 @@ def main() -> None:
     parser.add_argument("--streamed", action="store_true",
                         help="NVFP4 only: build the quantised model tensor by tensor (`build_nvfp4_streamed`), never "
                         "holding the 16-bit model (72B); peak memory includes the build")  # fmt: skip
+    parser.add_argument("--eos-rate", type=float, default=0.0,
+                        help="also end completions at this share of the vocabulary (extra EOS ids): random weights "
+                        "then give geometric completion lengths, mean ~1/rate, as real data's spread would")  # fmt: skip
+    parser.add_argument("--pad-to-multiple-of", default="auto",
+                        help="QeRLConfig.pad_to_multiple_of: 'auto' (64 on CUDA), 'none' or a number")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -171,6 +200,8 @@ def main() -> None:
     if checkpoint is not None and not (checkpoint / "config.json").exists():
         write_checkpoint(config, checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = synthetic_tokenizer(config.vocab_size)
+    if checkpoint is not None and args.eos_rate > 0:  # loaded by the trainer: the EOS ids go with the checkpoint
+        GenerationConfig(eos_token_id=eos_ids(tokenizer, args.eos_rate), pad_token_id=0).save_pretrained(checkpoint)
     results = []
     for batch in args.batch:
         for mode in args.modes:

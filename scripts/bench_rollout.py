@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from model_shapes import NAMES, qwen25_config
+from model_shapes import NAMES, qwen25_config, spread_eos
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
@@ -67,13 +67,6 @@ def ours(generator, batch, prompt_tokens, new_tokens, vocab, eos=(1,)):
         return generator.generate(prompts, params, eos_token_ids=list(eos), pad_token_id=0)
 
     return call
-
-
-def spread_eos(vocab: int, rate: float) -> list[int]:
-    """Token ids that end a completion, ``rate`` of the vocabulary: random weights sample close to uniformly, so each
-    step stops a row with probability ~``rate`` (geometric lengths, mean ~1 / rate, capped by ``--new-tokens``)."""
-    ids = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(0))[: max(1, round(rate * vocab))] + 1
-    return ids.tolist()
 
 
 _SDPA, _SPLIT = (

@@ -162,3 +162,11 @@ def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
     )
+
+
+def spread_eos(vocab: int, rate: float) -> list[int]:
+    """Token ids that end a completion, ``rate`` of the vocabulary (never 0, the pad id): random weights sample close
+    to uniformly, so each step stops a row with probability ~``rate`` (geometric lengths, mean ~1 / rate, capped by
+    the completion length) — a length spread like real data's, without a trained model."""
+    ids = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(0))[: max(1, round(rate * vocab))] + 1
+    return ids.tolist()

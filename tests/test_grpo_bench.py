@@ -1,0 +1,43 @@
+"""`scripts/bench_grpo_step.py` with a length spread (``--eos-rate``) and a padding setting, on the tiny shape on CPU:
+completions end early at different lengths, the trainer gets the EOS ids and the padding asked for, and the JSON
+keeps every measured step's length."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+
+def test_eos_ids_spread_over_the_vocabulary_and_keep_the_tokenizers_own():
+    from bench_grpo_step import eos_ids, pad_setting
+    from model_shapes import synthetic_tokenizer
+
+    tokenizer = synthetic_tokenizer(1000)
+    ids = eos_ids(tokenizer, 0.05)
+    assert tokenizer.eos_token_id in ids and tokenizer.pad_token_id not in ids
+    assert 45 <= len(ids) <= 51 and len(set(ids)) == len(ids) and max(ids) < 1000
+    assert eos_ids(tokenizer, 0.05) == ids  # seeded: every mode of a run ends on the same ids
+    assert (pad_setting("auto"), pad_setting("none"), pad_setting("64")) == ("auto", None, 64)
+
+
+@pytest.mark.slow
+def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    command = [
+        sys.executable, str(SCRIPTS / "bench_grpo_step.py"), "--model", "tiny", "--in-memory", "--modes", "nvfp4",
+        "--batch", "4", "--prompt-tokens", "8", "--completion-tokens", "32", "--rollout-backend", "fast",
+        "--steps", "3", "--eos-rate", "0.2", "--pad-to-multiple-of", "16", "--json", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, cwd=SCRIPTS, capture_output=True, text=True, timeout=600)
+    row = json.loads(out.read_text())["results"][0]
+    assert row["eos_rate"] == 0.2 and row["pad_to_multiple_of"] == 16
+    lengths = [row["warmup"]["completions/mean_length"], *row["completion_length_each"]]
+    assert len(lengths) == 3 and all(0 < length < 32 for length in lengths)  # rows ended early, at ~1/0.2 tokens
