@@ -8,7 +8,8 @@ layer (the formulas of transformers' Llama/Qwen2/Qwen3 code, in the same order a
   the stored tensors in place;
 * LoRA products run in the adapters' dtype (fp32 masters: no per-step weight casts), the shrink of adapters that
   read the same activations as one product (`lora_shrink`), and the result is rounded once when added to the base
-  output; in a compiled decode step they are written as reductions that fuse into the neighbouring kernels;
+  output; at decode sizes the NVFP4 kernel adds the terms in its epilogue (`LORA_EPILOGUE`), otherwise a compiled
+  step writes them as reductions that fuse into the neighbouring kernels;
 * attention reads the KV cache through one `scaled_dot_product_attention` call per layer, the query heads of a
   key/value head folded into the query length (no repeated keys);
 * optionally (``compile=True``) the whole layer runs through ``torch.compile``, so the elementwise glue (residual
