@@ -80,19 +80,14 @@ def main() -> None:
                 return unfused_expand(x, list(product().split(rows, dim=1)))
 
             def epilogue():
-                choice = (
-                    kernels.CHOOSER.choose(x, *weights[0])
-                    if len(rows) == 1
-                    else kernels.CHOOSER.choose_group(x, weights)
-                )
+                choice = kernels.chosen(x, weights)
                 assert isinstance(choice, cuda_mma.MMAConfig), f"the chooser picked {choice}, not the decode kernel"
                 lora = cuda_mma.LoraInputs(hidden, lora_b, scaling)
                 return cuda_mma.matmul(x, weights, choice, lora=lora)
 
             row = {"group": name, "m": m, "product_us": time_us(product), "unfused_us": time_us(unfused),
                    "epilogue_us": time_us(epilogue),
-                   "choice": str(kernels.CHOOSER.choose_group(x, weights) if len(rows) > 1
-                                 else kernels.CHOOSER.choose(x, *weights[0]))}  # fmt: skip
+                   "choice": str(kernels.chosen(x, weights))}  # fmt: skip
             ours = torch.cat(unfused(), dim=1).double()
             row["relative_error_vs_unfused"] = ((epilogue().double() - ours).norm() / ours.norm()).item()
             results.append(row)

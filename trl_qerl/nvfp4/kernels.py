@@ -992,6 +992,12 @@ def grouped_linear(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch
     return _separate_products(x, weights, biases)
 
 
+def chosen(x: torch.Tensor, weights: Sequence[cuda_mma.Weight]) -> Choice:
+    """The chooser's kernel for ``x`` and one weight (its single-weight key, as `nvfp4_linear_op` asks) or a group
+    of weights in one launch (`KernelChooser.choose_group`)."""
+    return CHOOSER.choose(x, *weights[0]) if len(weights) == 1 else CHOOSER.choose_group(x, weights)
+
+
 def grouped_linear_lora(
     x: torch.Tensor,
     weights: Sequence[cuda_mma.Weight],
@@ -1007,7 +1013,7 @@ def grouped_linear_lora(
     elif usable:
         choice = None
         try:
-            choice = CHOOSER.choose(x, *weights[0]) if len(weights) == 1 else CHOOSER.choose_group(x, weights)
+            choice = chosen(x, weights)
             if isinstance(choice, MMAConfig) and cuda_mma.lora_fits(choice) and _applies(choice, x, weights, True):
                 bias = [b.to(x.dtype) if b is not None else None for b in biases]
                 return cuda_mma.matmul(x, weights, choice, bias, lora=lora)
@@ -1158,6 +1164,7 @@ __all__ = [
     "KernelChooser",
     "TritonPath",
     "candidate_configs",
+    "chosen",
     "grouped_linear",
     "grouped_linear_lora",
     "mma_usable",

@@ -147,7 +147,7 @@ def _project_with_lora_epilogue(x: torch.Tensor, projections: Sequence[Projectio
     terms = [p.lora[0] if p.lora else None for p in projections]
     present = [t for t in terms if t is not None]
     if torch.compiler.is_compiling():
-        parts = [(x[:, None, :].to(t.lora_a.dtype) * t.lora_a[None]).sum(-1) for t in present]
+        parts = [_shrink_as_reduction(x, t.lora_a) for t in present]
     else:
         parts = [F.linear(x.to(t.lora_a.dtype), t.lora_a) for t in present]
     hidden = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
@@ -159,6 +159,12 @@ def _project_with_lora_epilogue(x: torch.Tensor, projections: Sequence[Projectio
     return list(fused.split([p.out_features for p in projections], dim=-1))
 
 
+def _shrink_as_reduction(x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    """``x @ A.T`` in A's dtype written as broadcast-multiply-sum: compiled, a reduction inductor fuses with the
+    kernel that makes ``x``."""
+    return (x[:, None, :].to(lora_a.dtype) * lora_a[None]).sum(-1)
+
+
 def _add_lora_as_reductions(x, projections, outputs):
     # At decode sizes a LoRA product is two tiny GEMVs, each a cuBLAS launch (plus a reduction launch for fp32).
     # Written as broadcast-multiply-sum, inductor fuses the shrink into one reduction kernel per input and the
@@ -168,7 +174,7 @@ def _add_lora_as_reductions(x, projections, outputs):
             continue
         update = 0
         for term in projection.lora:
-            hidden = (x[:, None, :].to(term.lora_a.dtype) * term.lora_a[None]).sum(-1)
+            hidden = _shrink_as_reduction(x, term.lora_a)
             update = update + (hidden[:, None, :] * term.lora_b[None]).sum(-1) * term.scaling
         outputs[index] = (outputs[index] + update).to(x.dtype)
     return outputs
