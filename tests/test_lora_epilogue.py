@@ -17,7 +17,7 @@ import torch
 from _cuda_cases import TOLERANCE, needs_nvrtc, poisoned_out
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
-from trl_qerl.nvfp4 import cuda_mma, nvrtc
+from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
 from trl_qerl.nvfp4.dispatch import kernels_for
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error
 from trl_qerl.nvfp4.lora_terms import add_lora_terms
