@@ -17,7 +17,7 @@ import torch
 from _cuda_cases import TOLERANCE, needs_nvrtc, poisoned_out
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
-from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
+from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # `kernels` also defines the custom ops
 from trl_qerl.nvfp4.dispatch import kernels_for
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error
 from trl_qerl.nvfp4.lora_terms import add_lora_terms
@@ -103,8 +103,6 @@ def test_the_kernel_takes_only_what_its_epilogue_reads():
 
 def test_terms_the_kernel_cannot_take_are_added_after_the_product_with_one_log_line(monkeypatch, caplog):
     import logging
-
-    from trl_qerl.nvfp4 import kernels
 
     monkeypatch.setattr(kernels, "_LORA_NOTED", set())
     x, weights, _, hidden, lora_b = _case(2, 256, torch.bfloat16, "cpu")
