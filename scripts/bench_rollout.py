@@ -81,6 +81,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+split_kv+pdl": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+compact": dict(engine="fused", compile=True, decode_attention="sdpa", compact_finished=True),
            "fused+compile+split_kv+lora_unfused": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+split_kv+shrink_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -88,23 +89,27 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
 captures and runs). ``+compact``: rows still decoding move to a smaller step once at most half are left
 (`StaticCacheGenerator(compact_finished=True)`; measure it with ``--eos-rate``). ``+lora_unfused``: LoRA terms
 expanded by their own kernels instead of the NVFP4 kernel's epilogue (`fused_decode.LORA_EPILOGUE` False while that
-engine compiles and captures; the default engines above add them in the epilogue)."""
+engine compiles and captures; the default engines above add them in the epilogue). ``+shrink_unfused``: the LoRA
+shrinks left to inductor, each a reduction of its own, instead of made with their input in one launch
+(`fused_decode.FUSED_SHRINK` False while that engine compiles and captures)."""
 
 
 @contextlib.contextmanager
 def engine_environment(engine: str):
-    """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it) and
-    ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones (read when a layer compiles); else unchanged."""
-    pdl, epilogue = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE
+    """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
+    ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
+    ones (read when a layer compiles); else unchanged."""
+    pdl, epilogue, shrink = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK
     if pdl:
         os.environ["NVFP4_PDL"] = "1"
     fused_decode.LORA_EPILOGUE = epilogue and not engine.endswith("+lora_unfused")
+    fused_decode.FUSED_SHRINK = shrink and not engine.endswith("+shrink_unfused")
     try:
         yield
     finally:
         if pdl:
             os.environ.pop("NVFP4_PDL", None)
-        fused_decode.LORA_EPILOGUE = epilogue
+        fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink
 
 
 def category(kernel: str) -> str:

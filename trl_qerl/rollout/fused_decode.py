@@ -8,8 +8,9 @@ layer (the formulas of transformers' Llama/Qwen2/Qwen3 code, in the same order a
   the stored tensors in place;
 * LoRA products run in the adapters' dtype (fp32 masters: no per-step weight casts), the shrink of adapters that
   read the same activations as one product (`lora_shrink`), and the result is rounded once when added to the base
-  output; at decode sizes the NVFP4 kernel adds the terms in its epilogue (`LORA_EPILOGUE`), otherwise a compiled
-  step writes them as reductions that fuse into the neighbouring kernels;
+  output; at decode sizes the NVFP4 kernel adds the terms in its epilogue (`LORA_EPILOGUE`), and each shrink is
+  made in one launch with its input (`FUSED_SHRINK`: the norm, or SiLU·up); otherwise a compiled step writes them
+  as reductions that fuse into the neighbouring kernels;
 * attention reads the KV cache through one `scaled_dot_product_attention` call per layer, the query heads of a
   key/value head folded into the query length (no repeated keys);
 * optionally (``compile=True``) the whole layer runs through ``torch.compile``, so the elementwise glue (residual
@@ -36,10 +37,18 @@ from ..nvfp4.cuda_mma import LORA_RANKS
 from ..nvfp4.dispatch import kernels_for
 from .decode_attention import split_kv_applies, split_kv_attention, triton_available
 from .decoder_spec import DecoderSpec, LayerSpec, NormSpec, Projection
+from .fused_shrink import (
+    add_rms_norm_shrink,
+    fused_shrink_applies,
+    rms_norm_reference,
+    rms_norm_shrink,
+    silu_mul_shrink,
+)
 
 
 __all__ = [
     "DECODE_ATTENTION",
+    "FUSED_SHRINK",
     "LORA_EPILOGUE",
     "FusedDecoder",
     "apply_rotary",
@@ -56,10 +65,7 @@ logger = logging.getLogger(__name__)
 def rms_norm(x: torch.Tensor, norm: NormSpec) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalise in fp32, round to the input dtype, multiply by the weight (fp32 for
     trained or AQN norms, whose product is rounded to the input dtype once, as `trl_qerl.norms` does)."""
-    dtype = x.dtype
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
-    return (norm.weight * normed.to(dtype)).to(dtype)
+    return rms_norm_reference(x, norm.weight, norm.eps)
 
 
 DECODE_ATTENTION = ("auto", "sdpa", "split_kv")
@@ -83,6 +89,13 @@ own reductions (how the step ran before; ``False`` is kept for benchmarks: `scri
 ``+lora_unfused`` engine)."""
 
 
+FUSED_SHRINK = True
+"""Where the LoRA terms of a projection group go to the NVFP4 epilogue (`LORA_EPILOGUE`), make the group's input
+and its shrink ``x @ A.T`` in one launch (`fused_shrink`: the input norm with the q/k/v shrinks, the residual add and
+post-attention norm with the gate/up shrinks, SiLU·up with the down shrink) instead of inductor's separate kernels.
+``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s ``+shrink_unfused`` engine)."""
+
+
 def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list[torch.Tensor]]:
     """``x @ A.T`` for every LoRA term of ``projections`` (per projection, per term), in the adapters' dtype. Terms
     of one dtype are computed as one product over their concatenated A matrices: concatenating a few rank-r
@@ -103,11 +116,14 @@ def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list
     return out
 
 
-def project(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Tensor]:
+def project(
+    x: torch.Tensor, projections: Sequence[Projection], hidden: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """``base(x) + Σ scaling·B(A(x))`` for projections that read the same ``x[M, K]``; one output per projection
-    in ``x``'s dtype. NVFP4 bases run as one grouped launch (with their LoRA terms, see `LORA_EPILOGUE`)."""
-    if _lora_in_epilogue(x, projections):
-        return _project_with_lora_epilogue(x, projections)
+    in ``x``'s dtype. NVFP4 bases run as one grouped launch (with their LoRA terms, see `LORA_EPILOGUE`).
+    ``hidden``: the shrinks ``x @ A.T`` side by side, made with ``x`` (`normed_input`, `activated_input`)."""
+    if hidden is not None or _lora_in_epilogue(x, projections):
+        return _project_with_lora_epilogue(x, projections, hidden)
     if all(p.is_nvfp4 for p in projections) and len(projections) > 1:
         fused = kernels_for(x.device).grouped(
             x, [p.packed for p in projections], [p.scale for p in projections],
@@ -142,21 +158,61 @@ def _lora_in_epilogue(x: torch.Tensor, projections: Sequence[Projection]) -> boo
     )
 
 
-def _project_with_lora_epilogue(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Tensor]:
-    # The shrink (x @ A.T, fp32) stays here: compiled, it is a reduction that fuses into the kernel making x.
+def _project_with_lora_epilogue(
+    x: torch.Tensor, projections: Sequence[Projection], hidden: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    # Without `hidden` the shrink (x @ A.T, fp32) is made here: compiled, a reduction of its own per input.
     terms = [p.lora[0] if p.lora else None for p in projections]
-    present = [t for t in terms if t is not None]
-    if torch.compiler.is_compiling():
-        parts = [_shrink_as_reduction(x, t.lora_a) for t in present]
-    else:
-        parts = [F.linear(x.to(t.lora_a.dtype), t.lora_a) for t in present]
-    hidden = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    if hidden is None:
+        hidden = _shrinks(x, [t.lora_a for t in terms if t is not None])
     fused = kernels_for(x.device).grouped_lora(
         x, [p.packed for p in projections], [p.scale for p in projections], [p.global_scale for p in projections],
         [p.bias for p in projections], hidden, [t.lora_b if t is not None else None for t in terms],
         [t.scaling if t is not None else 0.0 for t in terms],
     )  # fmt: skip
     return list(fused.split([p.out_features for p in projections], dim=-1))
+
+
+def _shrinks(x: torch.Tensor, lora_a: list[torch.Tensor]) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        parts = [_shrink_as_reduction(x, a) for a in lora_a]
+    else:
+        parts = [F.linear(x.to(a.dtype), a) for a in lora_a]
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def _epilogue_shrinks(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Tensor] | None:
+    """The A matrices of ``projections`` if their terms go to the NVFP4 epilogue and `fused_shrink` takes ``x``
+    with them (else None: the input and the shrinks are made apart)."""
+    if not FUSED_SHRINK or not _lora_in_epilogue(x, projections):
+        return None
+    lora_a = [p.lora[0].lora_a for p in projections if p.lora]
+    return lora_a if fused_shrink_applies(x, lora_a) else None
+
+
+def normed_input(
+    x: torch.Tensor, norm: NormSpec, projections: Sequence[Projection], residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(s, h, hidden)`` for ``x[M, K]``: ``s = x + residual`` (``x`` without one), ``h = rms_norm(s)``, and the
+    shrinks of ``projections``' LoRA terms of ``h`` side by side where `FUSED_SHRINK` makes them with ``h`` in one
+    launch (else None: `project` makes them)."""
+    lora_a = _epilogue_shrinks(x, projections)
+    if lora_a is not None and residual is not None:
+        return add_rms_norm_shrink(x, residual, norm.weight, norm.eps, lora_a)
+    if lora_a is not None:
+        return (x, *rms_norm_shrink(x, norm.weight, norm.eps, lora_a))
+    s = x + residual if residual is not None else x
+    return s, rms_norm(s, norm), None
+
+
+def activated_input(
+    gate: torch.Tensor, up: torch.Tensor, projections: Sequence[Projection]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(silu(gate) * up, hidden)``: the down projection's input and, as in `normed_input`, its shrinks."""
+    lora_a = _epilogue_shrinks(gate, projections)
+    if lora_a is not None and up.stride(-1) == 1:
+        return silu_mul_shrink(gate, up, lora_a)
+    return F.silu(gate) * up, None
 
 
 def _shrink_as_reduction(x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
@@ -236,8 +292,8 @@ def decoder_layer(
     """One decoder layer on ``x[B, T, C]``; writes this layer's keys/values at ``cache_position`` in place.
     ``split_kv``: decode attention through `decode_attention.split_kv_attention` (one token per row)."""
     batch, tokens, width = x.shape
-    h = rms_norm(x, layer.input_norm).reshape(batch * tokens, width)
-    q, k, v = project(h, layer.qkv)
+    _, h, hidden = normed_input(x.reshape(batch * tokens, width), layer.input_norm, layer.qkv)
+    q, k, v = project(h, layer.qkv, hidden)
     q = q.view(batch, tokens, -1, spec.head_dim)
     k = k.view(batch, tokens, -1, spec.head_dim)
     if layer.q_norm is not None:
@@ -247,10 +303,11 @@ def decoder_layer(
     cache_v.index_copy_(2, cache_position, v.view(batch, tokens, -1, spec.head_dim).transpose(1, 2))
     attended = attention(q, cache_k, cache_v, mask, spec.scaling, cache_position, split_kv)
     attended = attended.transpose(1, 2).reshape(batch * tokens, -1)
-    x = x + project(attended, (layer.o,))[0].view(batch, tokens, width)
-    h = rms_norm(x, layer.post_attention_norm).reshape(batch * tokens, width)
-    gate, up = project(h, layer.gate_up)
-    return x + project(F.silu(gate) * up, (layer.down,))[0].view(batch, tokens, width)
+    o = project(attended, (layer.o,))[0]
+    x, h, hidden = normed_input(x.reshape(batch * tokens, width), layer.post_attention_norm, layer.gate_up, o)
+    gate, up = project(h, layer.gate_up, hidden)
+    activated, hidden = activated_input(gate, up, (layer.down,))
+    return (x + project(activated, (layer.down,), hidden)[0]).view(batch, tokens, width)
 
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "combo_kernels": True}

@@ -1,0 +1,184 @@
+"""LoRA shrinks fused with the kernel that makes their input (`trl_qerl.rollout.fused_shrink`).
+
+The Triton kernels run on CPU in Triton's interpreter and on CUDA, against the torch formulas the fused step used
+before (`rms_norm_reference`, ``F.silu(gate) * up``, ``h @ A.T``): outputs written into NaN-poisoned buffers, rows of
+any width (not a multiple of the kernel's block), one to three adapters, ranks that are not multiples of 4, bf16 and
+fp16 inputs with fp32 or 16-bit norm weights. The custom ops pass `torch.library.opcheck`, and the fused decode step
+gives the same logits with and without them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trl_qerl.rollout import fused_decode
+from trl_qerl.rollout.fused_shrink import (
+    add_rms_norm_shrink,
+    fused_shrink_applies,
+    rms_norm_reference,
+    rms_norm_shrink,
+    silu_mul_shrink,
+)
+
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
+RANKS = {"qkv": (8, 4, 16), "one": (32,), "odd": (5, 3)}
+
+
+def _case(m, k, ranks, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=generator) * 3).to(DEVICE, dtype)
+    residual = torch.randn(m, k, generator=generator).to(DEVICE, dtype)
+    lora_a = [(torch.randn(r, k, generator=generator) / k**0.5).to(DEVICE) for r in ranks]
+    return x, residual, lora_a
+
+
+def _poisoned(like, dtype=None, columns=None):
+    shape = (like.shape[0], columns if columns is not None else like.shape[1])
+    return torch.full(shape, float("nan"), dtype=dtype or like.dtype, device=like.device)
+
+
+def _assert_rounded_alike(ours, reference):
+    """Equal but for a few elements one rounding step apart: the norm's mean summed in another order may move its
+    rsqrt by an fp32 ulp, and so a rounding of ``x * rsqrt`` (then of the weight's product) by one step."""
+    assert not ours.isnan().any()
+    step = torch.finfo(reference.dtype).eps * reference.float().abs().clamp_min(torch.finfo(reference.dtype).tiny)
+    apart = (ours.float() - reference.float()).abs()
+    assert (apart <= 2 * step).all()
+    assert (apart > 0).float().mean() <= 0.01
+
+
+def _assert_shrink(t, h, lora_a):
+    reference = torch.cat([h.double() @ a.double().T for a in lora_a], dim=-1)
+    assert not t.isnan().any()
+    assert ((t.double() - reference).norm() / reference.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
+@pytest.mark.parametrize("shape", [(1, 200), (3, 1100), (1, 9000)], ids=["1x200", "3x1100", "1x9000"])
+def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, shape):
+    from trl_qerl.rollout._fused_shrink_kernel import norm_shrink
+
+    x, res, lora_a = _case(*shape, ranks, dtype)
+    for weight in (torch.rand(shape[1], device=DEVICE) + 0.5, (torch.rand(shape[1]) + 0.5).to(DEVICE, dtype)):
+        s, h, t = _poisoned(x), _poisoned(x), _poisoned(x, torch.float32, sum(ranks))
+        norm_shrink(x, res if residual else None, weight, 1e-6, lora_a, s if residual else None, h, t)
+        summed = x + res if residual else x
+        if residual:
+            assert torch.equal(s, summed)
+        _assert_rounded_alike(h, rms_norm_reference(summed, weight, 1e-6))
+        _assert_shrink(t, h, lora_a)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
+@pytest.mark.parametrize("shape", [(1, 200), (3, 1100), (1, 9000)], ids=["1x200", "3x1100", "1x9000"])
+def test_silu_mul_shrink_kernel_reads_strided_halves(dtype, ranks, shape):
+    from trl_qerl.rollout._fused_shrink_kernel import silu_mul_shrink as launch
+
+    m, k = shape
+    fused, _, lora_a = _case(m, 2 * k, (), dtype)
+    gate, up = fused.split(k, dim=1)  # the halves of a gate/up output: rows strided by 2k
+    lora_a = _case(m, k, ranks, dtype, seed=1)[2]
+    y, t = _poisoned(gate), _poisoned(gate, torch.float32, sum(ranks))
+    launch(gate, up, lora_a, y, t)
+    _assert_rounded_alike(y, F.silu(gate) * up)
+    _assert_shrink(t, y, lora_a)
+
+
+def test_split_rows_leave_their_counters_at_zero_for_the_next_launch():
+    """One row of 9,000: the programs split it and the last to arrive adds the partials; a second launch (a graph
+    replay, say) must find every counter back at zero."""
+    from trl_qerl.rollout import _fused_shrink_kernel as kernel
+
+    for seed in (0, 1):
+        fused = _case(1, 18000, (), torch.bfloat16, seed=seed)[0]
+        gate, up = fused.split(9000, dim=1)
+        lora_a = _case(1, 9000, (32,), torch.bfloat16, seed=seed + 10)[2]
+        y, t = _poisoned(gate), _poisoned(gate, torch.float32, 32)
+        kernel.silu_mul_shrink(gate, up, lora_a, y, t)
+        _assert_shrink(t, y, lora_a)
+        assert int(kernel._COUNTERS[gate.device].abs().sum()) == 0
+
+
+def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
+    from trl_qerl.rollout._fused_shrink_kernel import TILE, block_k, rank_block
+
+    assert block_k(200) == 256 and block_k(3584) == 4096 and block_k(18944) == 4096
+    assert rank_block(1, [32, 32, 32]) == 1  # 96 programs: as many as there are
+    assert rank_block(16, [32, 32, 32], columns=2048) == 4
+    assert rank_block(16, [32, 32, 32], columns=4096) == 2  # 4 x 4096 would exceed the tile
+    assert rank_block(16, [32, 6], columns=1024) == 2  # 4 does not divide 6
+    assert rank_block(64, [5]) == 1
+    assert all(b * 4096 <= TILE for b in {rank_block(m, [32], 4096) for m in (1, 8, 16, 64)})
+
+
+def test_ops_pass_opcheck():
+    x, res, lora_a = _case(2, 64, (8, 4), torch.bfloat16)
+    weight = torch.rand(64, device=DEVICE)
+    torch.library.opcheck(rms_norm_shrink, (x, weight, 1e-6, lora_a))
+    torch.library.opcheck(add_rms_norm_shrink, (x, res, weight, 1e-6, lora_a))
+    gate, up = torch.randn(2, 128, device=DEVICE, dtype=torch.bfloat16).split(64, dim=1)
+    torch.library.opcheck(silu_mul_shrink, (gate, up, lora_a))
+
+
+def test_applies_only_to_what_the_kernels_read():
+    x, _, lora_a = _case(2, 64, (8,), torch.bfloat16)
+    assert fused_shrink_applies(x, lora_a)
+    assert not fused_shrink_applies(x, [a.to(torch.bfloat16) for a in lora_a])  # fp32 masters only
+    assert not fused_shrink_applies(x, lora_a * 4)  # at most three adapters
+    assert not fused_shrink_applies(x.T, [torch.randn(8, 2, device=DEVICE)])  # strided last dim
+    assert not fused_shrink_applies(x, [torch.randn(8, 32, device=DEVICE)])  # width mismatch
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_step_samples_do_not_change_with_the_fused_shrinks(monkeypatch, arch):
+    """On CPU the ops run the torch formulas the step ran before: the same samples, bit for bit."""
+    samples, calls = _samples_with_and_without(monkeypatch, arch, "cpu")
+    assert samples[True] == samples[False]
+    assert set(calls) == {"rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_captured_compiled_step_with_the_fused_shrinks_on_cuda(monkeypatch):
+    samples, calls = _samples_with_and_without(monkeypatch, "qwen2", "cuda", compile=True)
+    assert set(calls) == {"rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"}
+    fused, unfused = samples[True], samples[False]
+    for ours, theirs, our_logprobs, their_logprobs in zip(
+        fused.completion_ids, unfused.completion_ids, fused.logprobs, unfused.logprobs
+    ):
+        assert ours[:3] == theirs[:3]  # greedy: a near-tie may flip later tokens (summation order)
+        assert torch.allclose(torch.tensor(our_logprobs[:3]), torch.tensor(their_logprobs[:3]), atol=0.05)
+
+
+def _samples_with_and_without(monkeypatch, arch, device, compile=False):
+    from _tiny import randomize_lora_b, tiny_model
+
+    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+    from trl_qerl.quantizer import quantize_model
+    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+
+    torch.manual_seed(0)
+    model = quantize_model(tiny_model(arch, dtype=torch.bfloat16).to(device))
+    model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=4))).eval()
+    calls = []
+    for name in ("rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"):
+        original = getattr(fused_decode, name)
+        monkeypatch.setattr(fused_decode, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    samples = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fused_decode, "FUSED_SHRINK", fused)
+        generator = StaticCacheGenerator(model, engine="fused", cuda_graph=compile, compile=compile)
+        samples[fused] = generator.sample([[5, 6, 7], [8, 9]], params, eos_token_ids=[], pad_token_id=0)
+        assert bool(calls) == fused
+        if fused:
+            recorded = list(calls)
+        calls.clear()
+    return samples, recorded

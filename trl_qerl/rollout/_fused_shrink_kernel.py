@@ -1,0 +1,213 @@
+"""The Triton kernels of `fused_shrink` (kept apart: Triton is optional, and only launching needs it).
+
+Each program takes one row and ``BLOCK_R`` rows of the concatenated LoRA A matrices (all in one adapter: ``BLOCK_R``
+divides every rank). It recomputes the row's elementwise part (cheap: the row is a few KB, read from L2), stores it
+only from the programs of the first rank block, and reduces ``part · A[j]`` over the row in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+MAX_BLOCK_K = 4096
+"""Columns per step: a 7B row (3,584) in one, so the norm's second pass reads x again from L1, not after a loop.
+Measured on the H200 (7B, 2026-12-02): steps of 512 made each program a chain of dependent loads (18,944-long
+SiLU·up shrink: 27 µs per call at one row)."""
+TILE = 8192
+"""A-tile elements per program and step (``BLOCK_R x BLOCK_K``): bounds the registers (32 per thread at 8 warps)."""
+TARGET_PROGRAMS = 264
+"""Two waves of a 132-multiprocessor GPU: below this many (row, rank block) programs the rank block shrinks, and
+`silu_mul_shrink` splits rows."""
+MIN_SPAN = 1024
+"""Fewest columns per split program of `silu_mul_shrink`."""
+SPAN_ALIGN = 256
+
+
+@triton.jit
+def _round(x, OUT: tl.constexpr):
+    """fp32 -> OUT, round to nearest even. bf16 by its bits: Triton's interpreter (the CPU tests) truncates a
+    ``.to(tl.bfloat16)`` (Triton 3.6-3.9), the GPU rounds; this is the same on both (finite values)."""
+    if OUT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(OUT)
+
+
+@triton.jit
+def _adapter_rows(a0, a1, a2, first, width, rank0, rank1):
+    """Pointer to row ``first`` of the concatenated A matrices (``first`` and the block after it lie in one)."""
+    if first < rank0:
+        base = a0 + first * width
+    elif first < rank0 + rank1:
+        base = a1 + (first - rank0) * width
+    else:
+        base = a2 + (first - rank0 - rank1) * width
+    return base
+
+
+@triton.jit
+def _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr):
+    """The norm's input in fp32: ``x``, or ``x + residual`` rounded to OUT as the eager add rounds it."""
+    x = tl.load(x_row + offsets, mask=inside, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = _round(x + tl.load(res_row + offsets, mask=inside, other=0.0).to(tl.float32), OUT).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _norm_shrink_kernel(
+    x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr,
+    width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
+    HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    first = tl.program_id(1) * BLOCK_R
+    columns = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(0, width, BLOCK_K):
+        offsets = start + columns
+        inside = offsets < width
+        x = _norm_input(x_ptr + row * stride_x, res_ptr + row * stride_res, offsets, inside, HAS_RESIDUAL, OUT)
+        squares += x * x
+    inverse = tl.rsqrt(tl.sum(squares, axis=0) / width + eps)  # torch.rsqrt, as the eager and inductor norms
+    base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
+    ranks = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(0, width, BLOCK_K):
+        offsets = start + columns
+        inside = offsets < width
+        x = _norm_input(x_ptr + row * stride_x, res_ptr + row * stride_res, offsets, inside, HAS_RESIDUAL, OUT)
+        if HAS_RESIDUAL and tl.program_id(1) == 0:
+            tl.store(s_ptr + row * stride_s + offsets, x.to(OUT), mask=inside)  # exact: x holds a rounded sum
+        normed = _round(x * inverse, OUT).to(tl.float32)
+        weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        h = _round(weight * normed, OUT)
+        if tl.program_id(1) == 0:  # one program per row writes the elementwise part
+            tl.store(h_ptr + row * stride_h + offsets, h, mask=inside)
+        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+        acc += tl.sum(a * h.to(tl.float32)[None, :], axis=1)
+    tl.store(t_ptr + row * stride_t + first + ranks, acc)
+
+
+@triton.jit
+def _silu_mul_shrink_kernel(
+    gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
+    width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
+    OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    first = block * BLOCK_R
+    low = tl.program_id(2) * span
+    high = tl.minimum(low + span, width)
+    columns = tl.arange(0, BLOCK_K)
+    base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
+    ranks = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(low, high, BLOCK_K):
+        offsets = start + columns
+        inside = offsets < high
+        gate = tl.load(gate_ptr + row * stride_gate + offsets, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(up_ptr + row * stride_up + offsets, mask=inside, other=0.0).to(tl.float32)
+        activated = _round(gate / (1.0 + tl.exp(-gate)), OUT).to(tl.float32)
+        y = _round(activated * up, OUT)
+        if block == 0:
+            tl.store(y_ptr + row * stride_y + offsets, y, mask=inside)
+        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+        acc += tl.sum(a * y.to(tl.float32)[None, :], axis=1)
+    if SPLITS == 1:
+        tl.store(t_ptr + row * stride_t + first + ranks, acc)
+    else:
+        # Split over the row: each program leaves its partial, the last to arrive adds them in split order (the
+        # same sum on every launch) and resets the counter for the next launch (so graph replays need no memset).
+        slot = row * tl.num_programs(1) + block
+        tl.store(partial_ptr + (slot * SPLITS + tl.program_id(2)) * BLOCK_R + ranks, acc)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for split in range(SPLITS):
+                total += tl.load(partial_ptr + (slot * SPLITS + split) * BLOCK_R + ranks, cache_modifier=".cg")
+            tl.store(t_ptr + row * stride_t + first + ranks, total)
+            tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
+
+
+def block_k(width: int) -> int:
+    return min(triton.next_power_of_2(width), MAX_BLOCK_K)
+
+
+def rank_block(rows: int, ranks: list[int], columns: int = MAX_BLOCK_K) -> int:
+    """Rows of A per program: the largest of 4, 2, 1 that divides every rank, keeps the A tile within `TILE` for
+    steps of ``columns``, and still gives `TARGET_PROGRAMS`."""
+    total = sum(ranks)
+    for block in (4, 2):
+        fits = block * columns <= TILE and all(r % block == 0 for r in ranks)
+        if fits and rows * total // block >= TARGET_PROGRAMS:
+            return block
+    return 1
+
+
+def _warps(columns: int) -> int:
+    return max(1, min(8, columns // 512))
+
+
+def _adapter_args(lora_a: list[torch.Tensor]) -> tuple:
+    padded = list(lora_a) + [lora_a[0]] * (3 - len(lora_a))
+    ranks = [a.shape[0] for a in lora_a] + [0] * (3 - len(lora_a))
+    return padded, ranks[0], ranks[1]
+
+
+def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
+    """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
+    rows, width = x.shape
+    columns = block_k(width)
+    block = rank_block(rows, [a.shape[0] for a in lora_a], columns)
+    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
+    has_residual = residual is not None
+    residual = residual if has_residual else x
+    s = s if has_residual else h
+    grid = (rows, t.shape[1] // block)
+    _norm_shrink_kernel[grid](
+        x, residual, weight, a0, a1, a2, s, h, t, width, rank0, rank1, eps,
+        x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
+        HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns, num_warps=_warps(columns),
+    )  # fmt: skip
+
+
+def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
+    """Fill ``y = silu(gate) * up`` and ``t`` (see `fused_shrink`). Few (row, rank block) programs split the row
+    (7B down at one row: 32 programs of 18,944 columns each would be chains of dependent loads)."""
+    rows, width = gate.shape
+    block = rank_block(rows, [a.shape[0] for a in lora_a], block_k(width))
+    blocks = t.shape[1] // block
+    splits = max(1, min(-(-TARGET_PROGRAMS // (rows * blocks)), -(-width // MIN_SPAN)))
+    span = -(-(-(-width // splits)) // SPAN_ALIGN) * SPAN_ALIGN
+    splits = -(-width // span)
+    columns = block_k(span)
+    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
+    partials = t.new_empty(rows * blocks * splits * block) if splits > 1 else t
+    counters = _counters(t.device, rows * blocks) if splits > 1 else t
+    _silu_mul_shrink_kernel[(rows, blocks, splits)](
+        gate, up, a0, a1, a2, y, t, partials, counters, width, span, rank0, rank1,
+        gate.stride(0), up.stride(0), y.stride(0), t.stride(0),
+        OUT=_DTYPES[y.dtype], BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=_warps(columns),
+    )  # fmt: skip
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    """Arrival counters of the split programs, zero between launches (the last program of a slot resets it): one
+    buffer per device, made once (outside any graph capture: the first call is an eager warm-up)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
