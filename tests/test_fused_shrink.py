@@ -182,3 +182,22 @@ def _samples_with_and_without(monkeypatch, arch, device, compile=False):
             recorded = list(calls)
         calls.clear()
     return samples, recorded
+
+
+def test_steps_above_the_row_limit_leave_the_shrinks_to_the_projections():
+    from _tiny import randomize_lora_b, tiny_model
+
+    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+    from trl_qerl.quantizer import quantize_model
+    from trl_qerl.rollout.decoder_spec import read_decoder
+
+    model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16))
+    layer = read_decoder(randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=4)))).layers[0]
+    width = layer.qkv[0].packed.shape[1] * 2
+    limit = fused_decode.FUSED_SHRINK_ROWS
+    for rows, fused in ((1, True), (limit, True), (limit + 1, False)):
+        x = torch.randn(rows, width, dtype=torch.bfloat16)
+        summed, h, hidden = fused_decode.normed_input(x, layer.post_attention_norm, layer.gate_up, residual=x)
+        assert (hidden is not None) == fused
+        assert torch.equal(summed, x + x)
+        assert torch.equal(h, fused_decode.rms_norm(x + x, layer.post_attention_norm))
