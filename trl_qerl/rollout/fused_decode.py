@@ -98,9 +98,10 @@ shrink) instead of inductor's separate kernels. ``False`` is kept for benchmarks
 ``+shrink_unfused`` engine)."""
 
 FUSED_SHRINK_ROWS = 8
-"""Measured on the H200 (7B, NVFP4 + LoRA r32 + AQN, 256 + 256 tokens, one process, 2026-12-02): 385 instead of 497
-kernels per step; batch 1 3.77 vs 3.78 ms, batch 8 4.12 vs 4.44 ms, batch 16 5.58 vs 5.39 ms (one program per row
-reads each A row again: at 16 rows the SiLU·up shrink costs more than inductor's reductions)."""
+"""Measured on the H200 (7B, NVFP4 + LoRA r32 + AQN, 256 + 256 tokens, 2026-12-02): 385 instead of 497 kernels per
+step, and no step-time change beyond the run-to-run spread up to 8 rows (batch 1 3.77 / 3.81 / 3.60 ms against
+3.78 / 3.82 / 3.73 without; batch 8 4.12 / 4.16 / 4.36 against 4.44 / 4.16 / 4.14), but batch 16 5.58 against 5.39:
+one program per row re-reads each A row, so from 16 rows the SiLU·up shrink costs more than inductor's reductions."""
 
 
 def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list[torch.Tensor]]:
