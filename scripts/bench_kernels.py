@@ -300,7 +300,11 @@ def main() -> None:
                         help="ignore the shipped kernel choices for row buckets >= ROWS: time every candidate again")  # fmt: skip
     parser.add_argument("--precompile", type=int, default=0, metavar="N",
                         help="build the CUDA kernels' candidate instances in N processes first")  # fmt: skip
+    parser.add_argument("--split-k", action="store_true",
+                        help="offer the decode kernel's SPLIT_K builds (K over 2 or 4 CTAs of a tile) to the chooser "
+                        "and the sweep (cuda_mma.SPLIT_K_CANDIDATES); combine with --retune 1 to time them")  # fmt: skip
     args = parser.parse_args()
+    cuda_mma.SPLIT_K_CANDIDATES = args.split_k or cuda_mma.SPLIT_K_CANDIDATES
     if args.retune is not None:
         stale = [key for key in kernels.CHOOSER.choices if int(key.split("|")[2]) >= args.retune]
         for key in stale:

@@ -42,15 +42,19 @@ def source() -> str:
 @dataclass(frozen=True)
 class MMAConfig:
     """One instance of the kernel: ``m_tiles`` x 16 weight rows per warp, ``n_tiles`` x 8 tokens per CTA,
-    ``k_warps`` warps per CTA that split K (and add their sums in shared memory)."""
+    ``k_warps`` warps per CTA that split K (and add their sums in shared memory); ``k_splits`` > 1: that many CTAs
+    per tile split K further (the ``SPLIT_K`` build: the last CTA of a tile adds their sums, one launch)."""
 
     m_tiles: int
     n_tiles: int
     k_warps: int
+    k_splits: int = 1
 
     def __post_init__(self) -> None:
         if self.m_tiles not in (1, 2) or self.n_tiles not in (1, 2, 4, 8) or self.k_warps not in (1, 2, 4, 8):
             raise ValueError(f"unsupported MMAConfig {self}")
+        if self.k_splits not in K_SPLITS:
+            raise ValueError(f"unsupported MMAConfig {self}: k_splits must be one of {K_SPLITS}")
         if self.shared_memory_bytes > _SHARED_MEMORY_LIMIT:
             raise ValueError(f"MMAConfig {self} needs {self.shared_memory_bytes} bytes of shared memory")
 
@@ -70,11 +74,13 @@ class MMAConfig:
         """The instance's name; ``lora_rank`` > 0: the build that adds LoRA terms of that rank in its epilogue
         (`LoraInputs`, one of `LORA_RANKS`)."""
         bf16 = "true" if dtype == torch.bfloat16 else "false"
-        suffix = f", {lora_rank}" if lora_rank else ""
+        suffix = f", {lora_rank}" if lora_rank or self.k_splits > 1 else ""
+        suffix += ", true" if self.k_splits > 1 else ""
         return f"nvfp4_mma_kernel<{self.m_tiles}, {self.n_tiles}, {self.k_warps}, {bf16}{suffix}>"
 
     def __str__(self) -> str:
-        return f"mma {self.rows}r x {self.tokens}t kw{self.k_warps}"
+        split = f" split{self.k_splits}" if self.k_splits > 1 else ""
+        return f"mma {self.rows}r x {self.tokens}t kw{self.k_warps}{split}"
 
 
 def _partial_sums_bytes(m_tiles: int, n_tiles: int, k_warps: int) -> int:
@@ -117,6 +123,40 @@ class _LoraTerms(ctypes.Structure):
         ("t_col", ctypes.c_int * MAX_SEGMENTS),
         ("ld_t", ctypes.c_int),
     ]
+
+
+K_SPLITS = (1, 2, 4)
+"""CTAs per tile that `MMAConfig.k_splits` may name."""
+
+SPLIT_K_CANDIDATES = False
+"""Whether `candidate_configs` offers ``k_splits`` > 1 to the chooser. Off: the split builds compile for every
+target and leave the other builds' SASS as it was (CPU tests), but have not yet run on a GPU (2026-12-02)."""
+
+
+class _SplitK(ctypes.Structure):
+    # mirrors `struct SplitK` in csrc/nvfp4_mma.cu
+    _fields_ = [("partial", ctypes.c_void_p), ("counters", ctypes.c_void_p)]
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def _split_k(config: "MMAConfig", tiles: int, m: int, device: torch.device) -> _SplitK:
+    """The ``SPLIT_K`` build's buffers: partial sums (new per launch; a captured graph keeps its own) and the tiles'
+    arrival counters, one zeroed buffer per device that the kernel leaves at zero."""
+    split = _SplitK()
+    if config.k_splits == 1:
+        return split
+    tile_count = tiles * -(-m // config.tokens)
+    partial = torch.empty(tile_count * config.k_splits * config.rows * config.tokens, device=device)
+    index = nvrtc.device_index(device)
+    counters = _COUNTERS.get(index)
+    if counters is None or counters.numel() < tile_count:
+        counters = torch.zeros(max(tile_count, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[index] = counters
+    split.partial, split.counters = partial.data_ptr(), counters.data_ptr()
+    split._keep = partial  # alive until the launch is queued (the caching allocator orders reuse on the stream)
+    return split
 
 
 @dataclass(frozen=True)
@@ -257,10 +297,11 @@ def matmul(
     segments, tiles, total = segments_of(weights, biases, config.rows)
     if out is None:
         out = torch.empty(m, total, device=x.device, dtype=x.dtype)
-    grid = (-(-m // config.tokens), tiles, 1)
+    grid = (-(-m // config.tokens), tiles, config.k_splits)
     args = [
         ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)), segments, _lora_terms(lora),
+        _split_k(config, tiles, m, x.device),
     ]  # fmt: skip
     programmatic = programmatic_launch(x.device)
     name = config.name_expression(x.dtype, lora_rank=lora.rank if lora is not None else 0)
@@ -281,7 +322,8 @@ def programmatic_launch(device: torch.device) -> bool:
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[MMAConfig]:
-    """Instances worth timing for ``m`` rows (at most 64 per CTA column), ``n`` weight rows, ``k`` columns."""
+    """Instances worth timing for ``m`` rows (at most 64 per CTA column), ``n`` weight rows, ``k`` columns (with
+    `SPLIT_K_CANDIDATES`, also K split over 2 or 4 CTAs where the row tiles alone would not fill a 132-SM GPU)."""
     tokens = min(max(m, 1), 64)
     n_tiles = [nt for nt in (1, 2, 4, 8) if 8 * nt >= tokens][:1]
     if tokens > 8:
@@ -293,7 +335,20 @@ def candidate_configs(m: int, n: int, k: int) -> list[MMAConfig]:
             for kw in (1, 2, 4, 8):
                 if valid_config(mt, nt, kw) and (kw == 1 or blocks >= 2 * kw):
                     configs.append(MMAConfig(mt, nt, kw))
+    if SPLIT_K_CANDIDATES:
+        configs += _split_candidates(configs, m, n, k)
     return configs
+
+
+def _split_candidates(configs: list[MMAConfig], m: int, n: int, k: int) -> list[MMAConfig]:
+    blocks = -(-k // 128)
+    split = []
+    for config in configs:
+        tiles = -(-n // config.rows) * -(-m // config.tokens)
+        for k_splits in K_SPLITS[1:]:
+            if tiles < 2 * 132 and blocks >= 2 * config.k_warps * k_splits:
+                split.append(MMAConfig(config.m_tiles, config.n_tiles, config.k_warps, k_splits))
+    return split
 
 
 def heuristic_config(m: int, n: int, k: int, num_sms: int) -> MMAConfig:

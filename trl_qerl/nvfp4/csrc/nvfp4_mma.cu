@@ -69,10 +69,21 @@ struct LoraTerms {
   int ld_t;                         // multiple of 4
 };
 
-// The launchers pass both structures from Python (ctypes mirrors in cuda_mma.py, whose test checks the same sizes;
+// K split across the CTAs of one tile (built with SPLIT_K, grid.z CTAs per tile): for products whose row tiles are
+// fewer than the GPU holds at once (7B down and o at one row: 224 tiles of 16 rows, 0.85 waves). Each CTA adds its
+// warps' sums as usual and leaves them in `partial` [tile][z][TOKENS][ROWS]; the last CTA of the tile to arrive
+// (`counters[tile]`, zero between launches: that CTA resets it) adds the grid.z partials in z order and runs the
+// epilogue (bias, LoRA terms, rounding). One launch, the same sums on every launch.
+struct SplitK {
+  float* partial;
+  unsigned* counters;
+};
+
+// The launchers pass these structures from Python (ctypes mirrors in cuda_mma.py, whose test checks the same sizes;
 // NVRTC 13.0 has no offsetof).
 static_assert(sizeof(Segments) == 144, "struct Segments no longer matches cuda_mma._Segments");
 static_assert(sizeof(LoraTerms) == 64, "struct LoraTerms no longer matches cuda_mma._LoraTerms");
+static_assert(sizeof(SplitK) == 16, "struct SplitK no longer matches cuda_mma._SplitK");
 
 // a[s] with constant indices: a run-time index into a kernel parameter's array makes the compiler copy the whole
 // parameter to the stack (local memory).
@@ -395,10 +406,41 @@ __device__ __forceinline__ RowTile row_tile(const Segments& seg, int rows_per_ti
   return {s, seg.rows[s], ((int)blockIdx.y - seg.tile_start[s]) * rows_per_tile};
 }
 
-template <int MT, int NT, int KW, bool BF16, int LORA_RANK = 0>
+// SPLIT_K: leave this CTA's sums (over its KW warps, in `partial` [KW][TOKENS][ROWS]) in the tile's slot z; true in
+// the last CTA of the tile to arrive, which then holds the tile's total, summed in z order, in partial[0].
+template <int KW, int TOKENS, int ROWS>
+__device__ __forceinline__ bool last_of_split(float (&partial)[KW][TOKENS][ROWS], const SplitK& split) {
+  constexpr int THREADS = 32 * KW, SIZE = TOKENS * ROWS;
+  const unsigned tile = blockIdx.y * gridDim.x + blockIdx.x;
+  float* slots = split.partial + (u64)tile * gridDim.z * SIZE;
+  __syncthreads();
+  for (int e = threadIdx.x; e < SIZE; e += THREADS) {
+    float sum = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < KW; ++w) sum += (&partial[w][0][0])[e];
+    slots[blockIdx.z * SIZE + e] = sum;
+  }
+  __threadfence();  // this CTA's slot is visible before its arrival is counted
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = atomicAdd(&split.counters[tile], 1u) == gridDim.z - 1;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  for (int e = threadIdx.x; e < SIZE; e += THREADS) {
+    float sum = 0.0f;
+    for (unsigned z = 0; z < gridDim.z; ++z) sum += __ldcg(slots + z * SIZE + e);
+    (&partial[0][0][0])[e] = sum;
+  }
+  if (threadIdx.x == 0) split.counters[tile] = 0u;  // every CTA of the tile has arrived: ready for the next launch
+  __syncthreads();
+  return true;
+}
+
+template <int MT, int NT, int KW, bool BF16, int LORA_RANK = 0, bool SPLIT_K = false>
 __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
                                                             u16* __restrict__ out, int ldo, Segments seg,
-                                                            LoraTerms lora) {
+                                                            LoraTerms lora, SplitK split) {
   constexpr bool PREFETCH_X = NT <= 2;
   constexpr int ROWS = 16 * MT, TOKENS = 8 * NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -434,9 +476,12 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
 
   // This warp's 128-column blocks: the full ones two at a time, the next block's loads in flight while one
   // computes; then the last block if K % 128 != 0 (K % 32 == 0, so each lane's 32 columns are in or out).
-  const int blocks = (K + 127) >> 7;
-  const int per_warp = (blocks + KW - 1) / KW;
-  const int kb_begin = warp * per_warp;
+  const int all_blocks = (K + 127) >> 7;
+  const int per_split = SPLIT_K ? (all_blocks + gridDim.z - 1) / gridDim.z : all_blocks;
+  const int split_begin = SPLIT_K ? min(all_blocks, (int)blockIdx.z * per_split) : 0;
+  const int blocks = SPLIT_K ? min(all_blocks, split_begin + per_split) : all_blocks;
+  const int per_warp = (blocks - split_begin + KW - 1) / KW;
+  const int kb_begin = split_begin + warp * per_warp;
   const int kb_end = min(blocks, kb_begin + per_warp);
   const int full_end = min(kb_end, K >> 7);
   constexpr int STAGES = NVFP4_DEPTH + 1;
@@ -495,6 +540,9 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
       partial[warp][nt * 8 + 2 * t + 1][mt * 16 + g + 8] = acc[mt][nt][3];
     }
   }
+  if constexpr (SPLIT_K) {
+    if (!last_of_split(partial, split)) return;
+  }
   // (a LoRA-free build keeps a one-element array the compiler drops)
   __shared__ float terms[LORA_RANK > 0 ? TOKENS : 1][LORA_RANK > 0 ? ROWS : 1];
   const bool lora_here = LORA_RANK > 0 && pick(lora.b, s) != nullptr;
@@ -511,7 +559,7 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
     if (row >= rows || tok0 + tok >= M) continue;
     float sum = 0.0f;
     #pragma unroll
-    for (int w = 0; w < KW; ++w) sum += partial[w][tok][r];
+    for (int w = 0; w < (SPLIT_K ? 1 : KW); ++w) sum += partial[w][tok][r];
     sum *= factor;
     if (bias != nullptr) sum += input_to_float<BF16>(bias[row]);
     if (lora_here) sum = input_to_float<BF16>(round_to_output<BF16>(sum)) + (&terms[0][0])[tok * ROWS + r];
