@@ -141,9 +141,10 @@ class _SplitK(ctypes.Structure):
 _COUNTERS: dict[int, torch.Tensor] = {}
 
 
-def _split_k(config: "MMAConfig", tiles: int, m: int, device: torch.device) -> _SplitK:
+def _split_k(config: MMAConfig, tiles: int, m: int, device: torch.device) -> _SplitK:
     """The ``SPLIT_K`` build's buffers: partial sums (new per launch; a captured graph keeps its own) and the tiles'
-    arrival counters, one zeroed buffer per device that the kernel leaves at zero."""
+    arrival counters, one zeroed buffer per device that the kernel leaves at zero. Split launches share the counters,
+    so they must run one after another (one stream, as the decode step does), not concurrently on two streams."""
     split = _SplitK()
     if config.k_splits == 1:
         return split
