@@ -95,6 +95,7 @@ def test_silu_mul_shrink_kernel_reads_strided_halves(dtype, ranks, shape):
 def test_split_rows_leave_their_counters_at_zero_for_the_next_launch():
     """One row of 9,000: the programs split it and the last to arrive adds the partials; a second launch (a graph
     replay, say) must find every counter back at zero."""
+    from trl_qerl.nvfp4.cuda_mma import arrival_counters
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     for seed in (0, 1):
@@ -104,7 +105,7 @@ def test_split_rows_leave_their_counters_at_zero_for_the_next_launch():
         y, t = _poisoned(gate), _poisoned(gate, torch.float32, 32)
         kernel.silu_mul_shrink(gate, up, lora_a, y, t)
         _assert_shrink(t, y, lora_a)
-        assert int(kernel._COUNTERS[gate.device].abs().sum()) == 0
+        assert int(arrival_counters(gate.device, 1).abs().sum()) == 0
 
 
 def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():

@@ -138,24 +138,32 @@ class _SplitK(ctypes.Structure):
     _fields_ = [("partial", ctypes.c_void_p), ("counters", ctypes.c_void_p)]
 
 
-_COUNTERS: dict[int, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 arrival counters on ``device``, zero between launches: kernels whose last program
+    (CTA) to arrive resets its counter share this one buffer per device (the decode kernel's ``SPLIT_K`` build,
+    `rollout._fused_shrink_kernel`). Made on first use, outside any graph capture (a capture is preceded by an eager
+    warm-up). Launches that use it run one after another on one stream, never concurrently. (CPU: Triton's
+    interpreter, in tests.)"""
+    device = torch.device("cuda", nvrtc.device_index(device)) if device.type == "cuda" else device
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def _split_k(config: MMAConfig, tiles: int, m: int, device: torch.device) -> _SplitK:
     """The ``SPLIT_K`` build's buffers: partial sums (new per launch; a captured graph keeps its own) and the tiles'
-    arrival counters, one zeroed buffer per device that the kernel leaves at zero. Split launches share the counters,
-    so they must run one after another (one stream, as the decode step does), not concurrently on two streams."""
+    arrival counters (`arrival_counters`)."""
     split = _SplitK()
     if config.k_splits == 1:
         return split
     tile_count = tiles * -(-m // config.tokens)
     partial = torch.empty(tile_count * config.k_splits * config.rows * config.tokens, device=device)
-    index = nvrtc.device_index(device)
-    counters = _COUNTERS.get(index)
-    if counters is None or counters.numel() < tile_count:
-        counters = torch.zeros(max(tile_count, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[index] = counters
-    split.partial, split.counters = partial.data_ptr(), counters.data_ptr()
+    split.partial, split.counters = partial.data_ptr(), arrival_counters(device, tile_count).data_ptr()
     split._keep = partial  # alive until the launch is queued (the caching allocator orders reuse on the stream)
     return split
 

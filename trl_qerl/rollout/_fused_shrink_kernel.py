@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..nvfp4.cuda_mma import arrival_counters
+
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 MAX_BLOCK_K = 4096
@@ -186,28 +188,15 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
     rows, width = gate.shape
     block = rank_block(rows, [a.shape[0] for a in lora_a], block_k(width))
     blocks = t.shape[1] // block
-    splits = max(1, min(-(-TARGET_PROGRAMS // (rows * blocks)), -(-width // MIN_SPAN)))
-    span = -(-(-(-width // splits)) // SPAN_ALIGN) * SPAN_ALIGN
-    splits = -(-width // span)
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows * blocks), triton.cdiv(width, MIN_SPAN)))
+    span = triton.cdiv(triton.cdiv(width, splits), SPAN_ALIGN) * SPAN_ALIGN
+    splits = triton.cdiv(width, span)
     columns = block_k(span)
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     partials = t.new_empty(rows * blocks * splits * block) if splits > 1 else t
-    counters = _counters(t.device, rows * blocks) if splits > 1 else t
+    counters = arrival_counters(t.device, rows * blocks) if splits > 1 else t
     _silu_mul_shrink_kernel[(rows, blocks, splits)](
         gate, up, a0, a1, a2, y, t, partials, counters, width, span, rank0, rank1,
         gate.stride(0), up.stride(0), y.stride(0), t.stride(0),
         OUT=_DTYPES[y.dtype], BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=_warps(columns),
     )  # fmt: skip
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, count: int) -> torch.Tensor:
-    """Arrival counters of the split programs, zero between launches (the last program of a slot resets it): one
-    buffer per device, made once (outside any graph capture: the first call is an eager warm-up)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters

@@ -42,6 +42,7 @@ from .fused_shrink import (
     fused_shrink_applies,
     rms_norm_reference,
     rms_norm_shrink,
+    shrink_reference,
     silu_mul_shrink,
 )
 
@@ -182,10 +183,10 @@ def _project_with_lora_epilogue(
 
 
 def _shrinks(x: torch.Tensor, lora_a: list[torch.Tensor]) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        parts = [_shrink_as_reduction(x, a) for a in lora_a]
-    else:
-        parts = [F.linear(x.to(a.dtype), a) for a in lora_a]
+    """``x @ A.T`` of the epilogue path's fp32 A matrices, side by side (eager: `fused_shrink`'s reference)."""
+    if not torch.compiler.is_compiling():
+        return shrink_reference(x, lora_a)
+    parts = [_shrink_as_reduction(x, a) for a in lora_a]
     return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
