@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.noise import NormNoise
+from trl_qerl.nvfp4 import kernels
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rollout import fused_decode
 from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
@@ -82,6 +83,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+compact": dict(engine="fused", compile=True, decode_attention="sdpa", compact_finished=True),
            "fused+compile+split_kv+lora_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+shrink_unfused": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+split_kv+alt_choices": dict(engine="fused", compile=True, **_SPLIT),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -91,17 +93,29 @@ captures and runs). ``+compact``: rows still decoding move to a smaller step onc
 expanded by their own kernels instead of the NVFP4 kernel's epilogue (`fused_decode.LORA_EPILOGUE` False while that
 engine compiles and captures; the default engines above add them in the epilogue). ``+shrink_unfused``: the LoRA
 shrinks left to inductor, each a reduction of its own, instead of made with their input in one launch
-(`fused_decode.FUSED_SHRINK` False while that engine compiles and captures)."""
+(`fused_decode.FUSED_SHRINK` False while that engine compiles and captures). ``+alt_choices``: the NVFP4 kernel
+choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones for the keys
+they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process."""
+
+ALT_CHOICES: str | None = None
+"""``--alt-choices``: the table the ``+alt_choices`` engines use."""
 
 
 @contextlib.contextmanager
 def engine_environment(engine: str):
     """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
     ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
-    ones (read when a layer compiles); else unchanged."""
+    ones (read when a layer compiles), `ALT_CHOICES` over the kernel choices for the ``+alt_choices`` ones (read at
+    each uncaptured call; captured graphs keep the launch); else unchanged."""
     pdl, epilogue, shrink = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK
+    alternative = engine.endswith("+alt_choices")
+    shipped = dict(kernels.CHOOSER.choices)
     if pdl:
         os.environ["NVFP4_PDL"] = "1"
+    if alternative:
+        if ALT_CHOICES is None:
+            raise SystemExit(f"engine {engine!r} needs --alt-choices FILE (a table saved by bench_kernels.py)")
+        kernels.CHOOSER.load(ALT_CHOICES)
     fused_decode.LORA_EPILOGUE = epilogue and not engine.endswith("+lora_unfused")
     fused_decode.FUSED_SHRINK = shrink and not engine.endswith("+shrink_unfused")
     try:
@@ -110,6 +124,9 @@ def engine_environment(engine: str):
         if pdl:
             os.environ.pop("NVFP4_PDL", None)
         fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink
+        if alternative:
+            kernels.CHOOSER.choices.clear()
+            kernels.CHOOSER.choices.update(shipped)
 
 
 def category(kernel: str) -> str:
@@ -243,7 +260,11 @@ def main() -> None:
                         "compiled step writes LoRA products as fused reductions, above it as matmuls")  # fmt: skip
     parser.add_argument("--json", default=None)
     parser.add_argument("--choices", default=None, help="save the kernel choices made during the run")
+    parser.add_argument("--alt-choices", default=None, metavar="FILE",
+                        help="kernel choices (saved by bench_kernels.py --choices) for the +alt_choices engines")  # fmt: skip
     args = parser.parse_args()
+    global ALT_CHOICES
+    ALT_CHOICES = args.alt_choices
     if args.lora_reduction_rows is not None:
         fused_decode.LORA_REDUCTION_ROWS = args.lora_reduction_rows  # read when a layer compiles: before any engine
     warnings.filterwarnings("ignore")
@@ -303,8 +324,6 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     if args.choices:
-        from trl_qerl.nvfp4 import kernels
-
         kernels.CHOOSER.save(args.choices)
 
 

@@ -330,9 +330,10 @@ def programmatic_launch(device: torch.device) -> bool:
     return os.environ.get("NVFP4_PDL", "0") == "1" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def candidate_configs(m: int, n: int, k: int) -> list[MMAConfig]:
+def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[MMAConfig]:
     """Instances worth timing for ``m`` rows (at most 64 per CTA column), ``n`` weight rows, ``k`` columns (with
-    `SPLIT_K_CANDIDATES`, also K split over 2 or 4 CTAs where the row tiles alone would not fill a 132-SM GPU)."""
+    `SPLIT_K_CANDIDATES`, also K split over 2 or 4 CTAs where the row tiles alone would not fill two waves of
+    ``num_sms`` multiprocessors)."""
     tokens = min(max(m, 1), 64)
     n_tiles = [nt for nt in (1, 2, 4, 8) if 8 * nt >= tokens][:1]
     if tokens > 8:
@@ -345,17 +346,17 @@ def candidate_configs(m: int, n: int, k: int) -> list[MMAConfig]:
                 if valid_config(mt, nt, kw) and (kw == 1 or blocks >= 2 * kw):
                     configs.append(MMAConfig(mt, nt, kw))
     if SPLIT_K_CANDIDATES:
-        configs += _split_candidates(configs, m, n, k)
+        configs += _split_candidates(configs, m, n, k, num_sms)
     return configs
 
 
-def _split_candidates(configs: list[MMAConfig], m: int, n: int, k: int) -> list[MMAConfig]:
+def _split_candidates(configs: list[MMAConfig], m: int, n: int, k: int, num_sms: int) -> list[MMAConfig]:
     blocks = -(-k // 128)
     split = []
     for config in configs:
         tiles = -(-n // config.rows) * -(-m // config.tokens)
         for k_splits in K_SPLITS[1:]:
-            if tiles < 2 * 132 and blocks >= 2 * config.k_warps * k_splits:
+            if tiles < 2 * num_sms and blocks >= 2 * config.k_warps * k_splits:
                 split.append(MMAConfig(config.m_tiles, config.n_tiles, config.k_warps, k_splits))
     return split
 

@@ -668,7 +668,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, mma: bool = Fa
     tiled kernel from 16 rows), fused Triton tiles (with split-K for decode), GEMVs for one row, and, above 16
     rows, dequantise+cuBLAS."""
     bucket = m_bucket(m)
-    decode = cuda_mma.candidate_configs(bucket, n, k) if mma and bucket <= MMA_MAX_ROWS else []
+    decode = cuda_mma.candidate_configs(bucket, n, k, num_sms) if mma and bucket <= MMA_MAX_ROWS else []
     decode += tile_candidates(bucket, n, k, device, num_sms) if mma else []
     if bucket > 64:
         tiles = [(64, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8), (256, 128, 64, 8)]
@@ -822,7 +822,7 @@ class KernelChooser:
             return cuda_mma.heuristic_config(m, n, k, num_sms) if m <= 64 else SEPARATE
         rows = min(x.shape[0], 8192) if x.shape[0] > 64 else m_bucket(x.shape[0])
         probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
-        configs = cuda_mma.candidate_configs(rows, n, k) if rows <= MMA_MAX_ROWS else []
+        configs = cuda_mma.candidate_configs(rows, n, k, num_sms) if rows <= MMA_MAX_ROWS else []
         calls = {c: functools.partial(cuda_mma.matmul, probe, weights, c) for c in configs}
         for config in tile_candidates(m_bucket(rows), n, k, x.device, num_sms):
             if _applies(config, probe, weights, mma=True):
