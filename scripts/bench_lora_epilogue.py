@@ -5,7 +5,9 @@ Columns (µs per call): the NVFP4 product alone (no LoRA: the floor of both path
 ``torch.compile`` of the expand-and-add the fused decode step ran before (`fused_decode._add_lora_as_reductions`,
 fp32 masters, rounded once), two launches; ``epilogue``: the decode kernel's LoRA build through `cuda_mma.matmul`
 with the chooser's instance (one launch: what ``trl_qerl::nvfp4_linear_grouped_lora`` runs). The shrink
-(``x @ A.T``) is the same in both paths and not timed. Ratios: epilogue / unfused.
+(``x @ A.T``) is the same in both paths and not timed. Ratios: epilogue / unfused. ``--variants``: compile-time
+switches of the kernel source, one more epilogue column each (e.g. ``NVFP4_STAGE_LORA=0``: B and t read from global
+memory after the main loop instead of copied to shared memory during it), timed in the same run.
 
 Usage (a CUDA GPU):
     python scripts/bench_lora_epilogue.py --model qwen2.5-7b --rows 1 8 16 --rank 32 --json out.json
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-7b", choices=NAMES)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--variants", nargs="*", default=[], metavar="DEFINES",
+                        help="also time the epilogue built with these -D switches, e.g. NVFP4_STAGE_LORA=0")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -56,8 +60,9 @@ def main() -> None:
     config = qwen25_config(args.model)
     results = []
     print(f"LoRA r{args.rank} terms, {args.model} shapes, {torch.cuda.get_device_name()}")
-    print("| group | M | product µs | unfused µs | epilogue µs | epilogue / unfused |")
-    print("|---|---|---|---|---|---|")
+    extra = "".join(f" epilogue {variant} µs |" for variant in args.variants)
+    print(f"| group | M | product µs | unfused µs | epilogue µs |{extra} epilogue / unfused |")
+    print("|---|---|---|---|---|---|" + "---|" * len(args.variants))
     for name, (rows, k) in layer_groups(config).items():
         weights = [tuple(t.cuda() for t in quantize(torch.randn(n, k) * 0.02)) for n in rows]
         terms = [LoraTerm(torch.randn(args.rank, k, device="cuda") / k**0.5,
@@ -79,20 +84,24 @@ def main() -> None:
             def unfused():
                 return unfused_expand(x, list(product().split(rows, dim=1)))
 
-            def epilogue():
+            def epilogue(options=()):
                 choice = kernels.chosen(x, weights)
                 assert isinstance(choice, cuda_mma.MMAConfig), f"the chooser picked {choice}, not the decode kernel"
                 lora = cuda_mma.LoraInputs(hidden, lora_b, scaling)
-                return cuda_mma.matmul(x, weights, choice, lora=lora)
+                return cuda_mma.matmul(x, weights, choice, lora=lora, options=options)
 
             row = {"group": name, "m": m, "product_us": time_us(product), "unfused_us": time_us(unfused),
                    "epilogue_us": time_us(epilogue),
                    "choice": str(kernels.chosen(x, weights))}  # fmt: skip
+            for variant in args.variants:
+                options = tuple(f"-D{define}" for define in variant.split(",") if define)
+                row[f"epilogue_{variant}_us"] = time_us(lambda o=options: epilogue(o))
             ours = torch.cat(unfused(), dim=1).double()
             row["relative_error_vs_unfused"] = ((epilogue().double() - ours).norm() / ours.norm()).item()
             results.append(row)
-            print(f"| {name} | {m} | {row['product_us']:.1f} | {row['unfused_us']:.1f} | {row['epilogue_us']:.1f} | "
-                  f"{row['epilogue_us'] / row['unfused_us']:.2f} |", flush=True)  # fmt: skip
+            variants = "".join(f" {row[f'epilogue_{variant}_us']:.1f} |" for variant in args.variants)
+            print(f"| {name} | {m} | {row['product_us']:.1f} | {row['unfused_us']:.1f} | {row['epilogue_us']:.1f} |"
+                  f"{variants} {row['epilogue_us'] / row['unfused_us']:.2f} |", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
