@@ -6,8 +6,8 @@ Columns (µs per call): the NVFP4 product alone (no LoRA: the floor of both path
 fp32 masters, rounded once), two launches; ``epilogue``: the decode kernel's LoRA build through `cuda_mma.matmul`
 with the chooser's instance (one launch: what ``trl_qerl::nvfp4_linear_grouped_lora`` runs). The shrink
 (``x @ A.T``) is the same in both paths and not timed. Ratios: epilogue / unfused. ``--variants``: compile-time
-switches of the kernel source, one more epilogue column each (e.g. ``NVFP4_STAGE_LORA=0``: B and t read from global
-memory after the main loop instead of copied to shared memory during it), timed in the same run.
+switches of the kernel source (``-D`` defines, comma-separated per variant), one more epilogue column each, timed
+in the same run.
 
 Usage (a CUDA GPU):
     python scripts/bench_lora_epilogue.py --model qwen2.5-7b --rows 1 8 16 --rank 32 --json out.json
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--variants", nargs="*", default=[], metavar="DEFINES",
-                        help="also time the epilogue built with these -D switches, e.g. NVFP4_STAGE_LORA=0")  # fmt: skip
+                        help="also time the epilogue built with these -D switches, e.g. NVFP4_DEPTH=2")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -84,7 +84,6 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+split_kv+lora_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+shrink_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+alt_choices": dict(engine="fused", compile=True, **_SPLIT),
-           "fused+compile+split_kv+lora_unstaged": dict(engine="fused", compile=True, **_SPLIT),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -96,9 +95,7 @@ engine compiles and captures; the default engines above add them in the epilogue
 shrinks left to inductor, each a reduction of its own, instead of made with their input in one launch
 (`fused_decode.FUSED_SHRINK` False while that engine compiles and captures). ``+alt_choices``: the NVFP4 kernel
 choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones for the keys
-they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process.
-``+lora_unstaged``: the decode kernel's LoRA build reads B and t from global memory after its main loop instead of
-copying them to shared memory during it (``NVFP4_DEFINES=NVFP4_STAGE_LORA=0`` while that engine captures and runs)."""
+they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process."""
 
 ALT_CHOICES: str | None = None
 """``--alt-choices``: the table the ``+alt_choices`` engines use."""
@@ -109,15 +106,12 @@ def engine_environment(engine: str):
     """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
     ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
     ones (read when a layer compiles), `ALT_CHOICES` over the kernel choices for the ``+alt_choices`` ones (read at
-    each uncaptured call; captured graphs keep the launch), ``NVFP4_DEFINES=NVFP4_STAGE_LORA=0`` for the
-    ``+lora_unstaged`` ones; else unchanged."""
+    each uncaptured call; captured graphs keep the launch); else unchanged."""
     pdl, epilogue, shrink = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK
-    alternative, unstaged = engine.endswith("+alt_choices"), engine.endswith("+lora_unstaged")
+    alternative = engine.endswith("+alt_choices")
     shipped = dict(kernels.CHOOSER.choices)
     if pdl:
         os.environ["NVFP4_PDL"] = "1"
-    if unstaged:
-        os.environ["NVFP4_DEFINES"] = "NVFP4_STAGE_LORA=0"
     if alternative:
         if ALT_CHOICES is None:
             raise SystemExit(f"engine {engine!r} needs --alt-choices FILE (a table saved by bench_kernels.py)")
@@ -129,8 +123,6 @@ def engine_environment(engine: str):
     finally:
         if pdl:
             os.environ.pop("NVFP4_PDL", None)
-        if unstaged:
-            os.environ.pop("NVFP4_DEFINES", None)
         fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink
         if alternative:
             kernels.CHOOSER.choices.clear()

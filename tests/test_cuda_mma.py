@@ -280,11 +280,3 @@ def test_build_failure_falls_back_to_triton_with_one_warning(monkeypatch, caplog
     assert relative_error(reference(x, [weight], [None]), first) < TOLERANCE
     assert torch.equal(first, second)
     assert sum("CUDA decode kernel cannot run" in r.message for r in caplog.records) == 1
-
-
-def test_source_switches_come_from_the_environment(monkeypatch):
-    """``NVFP4_DEFINES`` (benchmarks' compile-time A/B inside a captured step) becomes NVRTC ``-D`` flags; unset, none."""
-    monkeypatch.delenv("NVFP4_DEFINES", raising=False)
-    assert cuda_mma.source_switches() == ()
-    monkeypatch.setenv("NVFP4_DEFINES", "NVFP4_STAGE_LORA=0,NVFP4_DEPTH=2")
-    assert cuda_mma.source_switches() == ("-DNVFP4_STAGE_LORA=0", "-DNVFP4_DEPTH=2")

@@ -12,8 +12,6 @@ in place (an optimizer step needs no re-capture).
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from _cuda_cases import TOLERANCE, needs_nvrtc, poisoned_out
@@ -33,15 +31,15 @@ RANKS = (16, None, 16)  # k has no adapter
 SCALING = (2.0, 0.0, 0.5)
 
 
-def _case(m: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, ranks=RANKS):
+def _case(m: int, k: int, dtype: torch.dtype, device: str, seed: int = 0):
     """x, q/k/v weights, biases (k without), hidden = x @ A.T of q and v (fp32, side by side), B matrices."""
     generator = torch.Generator().manual_seed(seed)
     weights = [tuple(t.to(device) for t in quantize(torch.randn(n, k, generator=generator) * 0.05)) for n in ROWS]
     biases = [torch.randn(n, generator=generator).to(device, dtype) for n in ROWS]
     biases[1] = None
     x = torch.randn(m, k, generator=generator).to(device, dtype)
-    lora_a = [torch.randn(r, k, generator=generator) / k**0.5 if r else None for r in ranks]
-    lora_b = [(torch.randn(n, r, generator=generator) * 0.1).to(device) if r else None for n, r in zip(ROWS, ranks)]
+    lora_a = [torch.randn(r, k, generator=generator) / k**0.5 if r else None for r in RANKS]
+    lora_b = [(torch.randn(n, r, generator=generator) * 0.1).to(device) if r else None for n, r in zip(ROWS, RANKS)]
     hidden = torch.cat([x.float() @ a.to(device).T for a in lora_a if a is not None], dim=1)
     return x, weights, biases, hidden, lora_b
 
@@ -202,33 +200,6 @@ def test_lora_lives_in_the_epilogue_only(tmp_path, config, rank):
     assert resources_of(lora, tmp_path)["STACK"] == 0 and resources_of(lora, tmp_path)["LOCAL"] == 0
 
 
-@needs_nvrtc
-@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
-@pytest.mark.parametrize("rank", [8, 32, 128])
-def test_lora_inputs_reach_shared_memory_during_the_main_loop(tmp_path, rank):
-    """The CTA's rows of B and its tokens' t rows are copied to shared memory by cp.async (SASS ``LDGSTS``) issued
-    before the first MMA and waited for (``DEPBAR``) after the last, so no 16-byte global load follows the main loop:
-    the epilogue no longer waits for a DRAM round trip. With PDL, B (which no kernel of the step writes) is copied
-    before ``griddepcontrol.wait`` (``ACQBULK``) and t (the previous kernel's output) after it."""
-    name = cuda_mma.MMAConfig(1, 1, 2).name_expression(torch.bfloat16, lora_rank=rank)
-    for options in ((), cuda_mma.PDL_BUILD):
-        cubin = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", options)[0]
-        ops = _opcodes(sass_of(cubin, tmp_path))
-        copies = [i for i, op in enumerate(ops) if op.startswith("LDGSTS")]
-        mmas = [i for i, op in enumerate(ops) if op.startswith("HMMA")]
-        waits = [i for i, op in enumerate(ops) if op.startswith("DEPBAR")]
-        assert copies and max(copies) < min(mmas) and waits and min(waits) > max(mmas)
-        assert not [op for op in ops[max(mmas) :] if op.startswith("LDG") and ".128" in op]
-        if options:
-            wait = ops.index("ACQBULK")
-            assert min(copies) < wait < max(copies)
-
-
-def _opcodes(sass: str) -> list[str]:
-    lines = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)
-    return [text.split()[1] if text.startswith("@") else text.split()[0] for text in lines]
-
-
 # -- on a GPU -------------------------------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -251,25 +222,6 @@ def test_every_decode_instance_adds_the_terms(dtype, m):
             cuda_mma.matmul(x, weights, config, biases), list(ROWS), hidden, lora_b, list(SCALING)
         )
         assert relative_error(unfused.double(), out) < 4e-3, f"{config}: not the unfused step's numbers"
-
-
-@needs_cuda
-@pytest.mark.parametrize("rank", [8, 128])
-@pytest.mark.parametrize("pdl", [False, True], ids=["default", "pdl"])
-def test_staged_and_unstaged_lora_inputs_give_the_terms(monkeypatch, rank, pdl):
-    """64 rows on a 32-row x 64-token tile: rank 8's B and t rows fit next to the sums in shared memory and are
-    staged, rank 128's (48 KB) do not and are read from global memory after the main loop; both builds, with and
-    without Programmatic Dependent Launch (sm_90), against float64."""
-    if pdl and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("PDL needs sm_90")
-    monkeypatch.setenv("NVFP4_PDL", "1" if pdl else "0")
-    m, k = 64, 512
-    x, weights, biases, hidden, lora_b = _case(m, k, torch.bfloat16, "cuda", seed=rank, ranks=(rank, None, rank))
-    lora = cuda_mma.LoraInputs(hidden, lora_b, SCALING)
-    config = cuda_mma.MMAConfig(2, 8, 2)
-    assert cuda_mma.lora_fits(config)
-    out = cuda_mma.matmul(x, weights, config, biases, lora=lora)
-    assert relative_error(_reference64(x, weights, biases, hidden, lora_b), out) < TOLERANCE
 
 
 @needs_cuda

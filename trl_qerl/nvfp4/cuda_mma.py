@@ -314,7 +314,6 @@ def matmul(
     ]  # fmt: skip
     programmatic = programmatic_launch(x.device)
     name = config.name_expression(x.dtype, lora_rank=lora.rank if lora is not None else 0)
-    options += source_switches()
     build = kernel(name, x.dtype, x.device, options + PDL_BUILD if programmatic else options)
     build.launch(grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic)
     return out
@@ -323,13 +322,6 @@ def matmul(
 PDL_BUILD = ("-DNVFP4_PDL=1",)
 """NVRTC flags of the build that waits for the previous kernel itself (csrc/nvfp4_mma.cu, "Programmatic Dependent
 Launch"); the default build has no PDL instructions."""
-
-
-def source_switches() -> tuple[str, ...]:
-    """NVRTC ``-D`` flags from ``NVFP4_DEFINES`` (comma-separated, e.g. ``NVFP4_STAGE_LORA=0``), read at every decode
-    launch like ``NVFP4_PDL``: for benchmarks that compare a compile-time switch of the source inside a captured
-    step. Empty by default."""
-    return tuple(f"-D{define}" for define in os.environ.get("NVFP4_DEFINES", "").split(",") if define)
 
 
 def programmatic_launch(device: torch.device) -> bool:

@@ -85,28 +85,6 @@ static_assert(sizeof(Segments) == 144, "struct Segments no longer matches cuda_m
 static_assert(sizeof(LoraTerms) == 64, "struct LoraTerms no longer matches cuda_mma._LoraTerms");
 static_assert(sizeof(SplitK) == 16, "struct SplitK no longer matches cuda_mma._SplitK");
 
-// Asynchronous copies global -> shared memory (sm_80+): the decode kernel's LoRA inputs, the tiled kernel's stages.
-__device__ __forceinline__ u32 shared_address(const void* p) {
-  u32 address;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
-  return address;
-}
-
-__device__ __forceinline__ void copy_async_16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void copy_async_8(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-
 // a[s] with constant indices: a run-time index into a kernel parameter's array makes the compiler copy the whole
 // parameter to the stack (local memory).
 template <typename T>
@@ -122,17 +100,17 @@ __device__ __forceinline__ T pick(const T (&a)[MAX_SEGMENTS], int s) {
 // this runs after the main loop, where its latency is exposed (a loop over tokens, one load at a time, measured
 // 13 us more per 7B gate_up call at 8 rows on the H200; an L2 prefetch of B before the main loop made no difference,
 // and skipping the tokens past M cost 2-7 us at 8-16 rows for 0.5-1 us saved at one row).
-//
-// `b` points at row row0 of B (row stride RANK), `t` at the CTA's first token's t row (row stride ld_t, tokens past M
-// clamped by `last`): in shared memory where `stage_lora` copied them at the CTA's start, else in global memory.
 template <int RANK, int ROWS, int TOKENS, int THREADS>
-__device__ __forceinline__ void lora_terms(float (&terms)[TOKENS][ROWS], const float* b, const float* t, int ld_t,
-                                           int last, float scaling, int valid_rows) {
+__device__ __forceinline__ void lora_terms(float (&terms)[TOKENS][ROWS], const LoraTerms& lora, int s, int rows,
+                                           int row0, int tok0, int M) {
   constexpr int LANES = RANK / 4 < 32 ? RANK / 4 : 32;
   constexpr int CHUNKS = RANK / 4 / LANES;  // 16-byte chunks per lane (rank 128: one)
   constexpr int ROWS_PER_PASS = THREADS / LANES;
   constexpr int PASSES = (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
   constexpr int GROUP = TOKENS < 8 ? TOKENS : 8;
+  const float* b = pick(lora.b, s);
+  const float* t = lora.t + pick(lora.t_col, s);
+  const float scaling = pick(lora.scaling, s);
   const int c = threadIdx.x % LANES;
   float4 b4[PASSES][CHUNKS];
   #pragma unroll
@@ -140,8 +118,9 @@ __device__ __forceinline__ void lora_terms(float (&terms)[TOKENS][ROWS], const f
     const int r = pass * ROWS_PER_PASS + (int)threadIdx.x / LANES;
     #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
-      b4[pass][j] = r < ROWS && r < valid_rows ? reinterpret_cast<const float4*>(b + r * RANK)[c + j * LANES]
-                                               : float4{0.0f, 0.0f, 0.0f, 0.0f};
+      b4[pass][j] = r < ROWS && row0 + r < rows
+                        ? reinterpret_cast<const float4*>(b + (u64)(row0 + r) * RANK)[c + j * LANES]
+                        : float4{0.0f, 0.0f, 0.0f, 0.0f};
     }
   }
   #pragma unroll 1
@@ -149,10 +128,10 @@ __device__ __forceinline__ void lora_terms(float (&terms)[TOKENS][ROWS], const f
     float4 t4[GROUP][CHUNKS];
     #pragma unroll
     for (int i = 0; i < GROUP; ++i) {
-      const int token = min(first + i, last);  // tokens past M repeat a real row, never stored
+      const int token = min(tok0 + first + i, M - 1);  // tokens past M repeat a real row, never stored
       #pragma unroll
       for (int j = 0; j < CHUNKS; ++j) {
-        t4[i][j] = reinterpret_cast<const float4*>(t + token * ld_t)[c + j * LANES];
+        t4[i][j] = reinterpret_cast<const float4*>(t + (u64)token * lora.ld_t)[c + j * LANES];
       }
     }
     #pragma unroll
@@ -172,37 +151,6 @@ __device__ __forceinline__ void lora_terms(float (&terms)[TOKENS][ROWS], const f
       }
     }
   }
-}
-
-// The LoRA build copies the CTA's rows of B and its tokens' t rows to shared memory with cp.async at its start, where
-// the loads' latency hides behind the main loop (after it, `lora_terms` reading them from global memory cost each
-// CTA a DRAM round trip: ~5 us per 7B gate/up call at one row on the H200). B changes only between launches (an
-// optimizer step), t is the previous kernel's output: with PDL the caller stages B before waiting for that kernel
-// and t after. Only what fits next to the K-split sums in 48 KB of static shared memory is staged
-// (`LoraStage::FITS`); builds that do not fit read from global memory as before. -DNVFP4_STAGE_LORA=0 turns staging
-// off (for benchmarks).
-#ifndef NVFP4_STAGE_LORA
-#define NVFP4_STAGE_LORA 1
-#endif
-
-template <int RANK, int ROWS, int TOKENS, int USED_BYTES>
-struct LoraStage {
-  static constexpr bool FITS =
-      NVFP4_STAGE_LORA && RANK > 0 && USED_BYTES + 4 * RANK * (ROWS + TOKENS) <= 48 * 1024;
-  float b[FITS ? ROWS : 1][FITS ? RANK : 4];
-  float t[FITS ? TOKENS : 1][FITS ? RANK : 4];
-};
-
-// Copies `count` rows of `width` floats (a multiple of 4), row i from src + i * ld (rows past `last` repeat row
-// `last`), to dst[count][width], 16 bytes per cp.async, by all THREADS threads; then commits the group.
-template <int THREADS>
-__device__ __forceinline__ void stage_rows(float* dst, const float* src, int ld, int count, int width, int last) {
-  const int chunks = width / 4;
-  for (int e = threadIdx.x; e < count * chunks; e += THREADS) {
-    const int row = e / chunks, chunk = e % chunks;
-    copy_async_16(shared_address(dst + e * 4), src + (u64)min(row, last) * ld + chunk * 4);
-  }
-  copy_async_commit();
 }
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
@@ -518,20 +466,6 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
     p.x[nt] = reinterpret_cast<const uint4*>(x + (u64)min(tok0 + nt * 8 + g, M - 1) * ldx) + t * 4;
   }
 
-  // LoRA inputs of this CTA (B rows: never written by the step's kernels, so staged before a PDL wait; t after it)
-  constexpr int USED_BYTES = 4 * KW * TOKENS * ROWS + (LORA_RANK > 0 ? 4 * TOKENS * ROWS : 0);
-  using Stage_ = LoraStage<LORA_RANK, ROWS, TOKENS, USED_BYTES>;
-  __shared__ Stage_ lora_stage;
-  const bool lora_here = LORA_RANK > 0 && pick(lora.b, s) != nullptr;
-  const float* lora_b = lora_here ? pick(lora.b, s) + (u64)row0 * LORA_RANK : nullptr;
-  const float* lora_t = lora_here ? lora.t + pick(lora.t_col, s) + (u64)tok0 * lora.ld_t : nullptr;
-  if (Stage_::FITS && lora_here) {
-    stage_rows<32 * KW>(&lora_stage.b[0][0], lora_b, LORA_RANK, min(ROWS, rows - row0), LORA_RANK, ROWS);
-  }
-  if (Stage_::FITS && lora_here && !PDL) {
-    stage_rows<32 * KW>(&lora_stage.t[0][0], lora_t, lora.ld_t, TOKENS, LORA_RANK, M - 1 - tok0);
-  }
-
   float acc[MT][NT][4];
   #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -561,9 +495,6 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
   }
 #if PDL
   wait_for_previous_kernel();
-  if (Stage_::FITS && lora_here) {
-    stage_rows<32 * KW>(&lora_stage.t[0][0], lora_t, lora.ld_t, TOKENS, LORA_RANK, M - 1 - tok0);
-  }
   #pragma unroll
   for (int d = 0; d < NVFP4_DEPTH; ++d) {
     if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false, false, true>(st[d], p, kb + d, true);
@@ -610,22 +541,14 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
     }
   }
   if constexpr (SPLIT_K) {
-    if (!last_of_split(partial, split)) {
-      if (Stage_::FITS && lora_here) copy_async_wait<0>();  // (no copy outlives its CTA)
-      return;
-    }
+    if (!last_of_split(partial, split)) return;
   }
   // (a LoRA-free build keeps a one-element array the compiler drops)
   __shared__ float terms[LORA_RANK > 0 ? TOKENS : 1][LORA_RANK > 0 ? ROWS : 1];
+  const bool lora_here = LORA_RANK > 0 && pick(lora.b, s) != nullptr;
   if (LORA_RANK > 0 && lora_here) {
-    if (Stage_::FITS) {
-      copy_async_wait<0>();
-      __syncthreads();
-    }
     lora_terms<(LORA_RANK > 0 ? LORA_RANK : 4), ROWS, TOKENS, 32 * KW>(
-        reinterpret_cast<float(&)[TOKENS][ROWS]>(terms), Stage_::FITS ? &lora_stage.b[0][0] : lora_b,
-        Stage_::FITS ? &lora_stage.t[0][0] : lora_t, Stage_::FITS ? LORA_RANK : lora.ld_t,
-        Stage_::FITS ? TOKENS - 1 : M - 1 - tok0, pick(lora.scaling, s), rows - row0);
+        reinterpret_cast<float(&)[TOKENS][ROWS]>(terms), lora, s, rows, row0, tok0, M);
   }
   __syncthreads();
   const float factor = (BF16 ? 9223372036854775808.0f : 16384.0f) / *seg.global_scale[s];
@@ -665,6 +588,27 @@ __global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restric
 // K may be split over grid.z (small layers at a few dozen rows would leave most multiprocessors idle): each split
 // then writes fp32 partial sums (already scaled, bias in split 0) and nvfp4_split_reduce_kernel adds them in fixed
 // order. Requires K % 128 == 0 (every Qwen/Llama width is) and 8-byte aligned scale rows.
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+  u32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
+  return address;
+}
+
+__device__ __forceinline__ void copy_async_16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_8(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
 
 __device__ __forceinline__ int x_chunk_slot(int chunk, int token) {
   return chunk ^ (((chunk >> 3) & 1) << 1) ^ (token & 1);
