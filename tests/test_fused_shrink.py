@@ -96,18 +96,18 @@ def test_silu_mul_shrink_kernel_reads_strided_halves(dtype, ranks, shape):
 
 @pytest.mark.parametrize("shape", MANY_ROWS, ids=[f"{m}x{k}" for m, k in MANY_ROWS])
 def test_programs_take_every_row_of_the_step(shape):
-    """Each program loads its A tile once and reduces it against every row (up to 16; padded to a power of two)."""
+    """Each program multiplies its A tile with every row's elementwise part at once (up to 16 rows)."""
     from trl_qerl.rollout._fused_shrink_kernel import norm_shrink, silu_mul_shrink
 
     m, k = shape
-    x, res, lora_a = _case(m, k, RANKS["qkv"], torch.bfloat16, seed=m)
+    x, res, lora_a = _case(m, k, (32, 32, 16), torch.bfloat16, seed=m)  # more than one 16-row block each
     weight = torch.rand(k, device=DEVICE) + 0.5
-    s, h, t = _poisoned(x), _poisoned(x), _poisoned(x, torch.float32, sum(RANKS["qkv"]))
+    s, h, t = _poisoned(x), _poisoned(x), _poisoned(x, torch.float32, 80)
     norm_shrink(x, res, weight, 1e-6, lora_a, s, h, t)
     assert torch.equal(s, x + res)
     _assert_rounded_alike(h, rms_norm_reference(x + res, weight, 1e-6))
     _assert_shrink(t, h, lora_a)
-    y, t = _poisoned(x), _poisoned(x, torch.float32, sum(RANKS["qkv"]))
+    y, t = _poisoned(x), _poisoned(x, torch.float32, 80)
     silu_mul_shrink(x, res, lora_a, y, t)
     _assert_rounded_alike(y, F.silu(x) * res)
     _assert_shrink(t, y, lora_a)
@@ -129,31 +129,15 @@ def test_spans_leave_their_counters_at_zero_for_the_next_launch():
         assert int(arrival_counters(gate.device, 32).abs().sum()) == 0
 
 
-def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
-    from trl_qerl.rollout._fused_shrink_kernel import MIN_PROGRAMS, TILE, block_k, rank_block
-
-    assert block_k(200) == 256 and block_k(3584) == 1024 and block_k(18944) == 1024
-    assert rank_block([32, 32, 32], 1024, spans=4) == 4  # 8 would make 48 programs
-    assert rank_block([32], 1024, spans=19) == 8  # 7B down: 76 programs
-    assert rank_block([32, 6], 1024, spans=64) == 2  # 8 and 4 do not divide 6
-    assert rank_block([5], 1024, spans=1) == 1
-    assert rank_block([32], 8192, spans=100) == 1  # only one A row of 8,192 columns fits the tile
-    for ranks, columns, spans in (([32, 32], 1024, 4), ([16], 512, 2), ([64, 64, 64], 1024, 1)):
-        block = rank_block(ranks, columns, spans)
-        assert block * columns <= TILE and all(r % block == 0 for r in ranks)
-        assert sum(ranks) // block * spans >= MIN_PROGRAMS or block == 1
-
-
 def test_launches_take_at_most_sixteen_rows():
-    from trl_qerl.rollout._fused_shrink_kernel import MAX_ROWS, silu_mul_shrink
+    from trl_qerl.rollout._fused_shrink_kernel import ROWS, block_k, silu_mul_shrink
 
-    assert fused_decode.FUSED_SHRINK_ROWS <= MAX_ROWS
-    gate = torch.randn(MAX_ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
-    lora_a = [torch.randn(4, 64, device=DEVICE)]
+    assert fused_decode.FUSED_SHRINK_ROWS <= ROWS
+    assert block_k(7) == 16 and block_k(200) == 256 and block_k(18944) == 512
+    gate = torch.randn(ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
+    t = gate.new_empty(ROWS + 1, 4, dtype=torch.float32)
     with pytest.raises(ValueError, match="1 to 16 rows"):
-        silu_mul_shrink(
-            gate, gate, lora_a, torch.empty_like(gate), gate.new_empty(MAX_ROWS + 1, 4, dtype=torch.float32)
-        )
+        silu_mul_shrink(gate, gate, [torch.randn(4, 64, device=DEVICE)], torch.empty_like(gate), t)
 
 
 def test_ops_pass_opcheck():

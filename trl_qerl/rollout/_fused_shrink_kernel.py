@@ -1,16 +1,18 @@
 """The Triton kernels of `fused_shrink` (kept apart: Triton is optional, and only launching needs it).
 
-Each program takes every row of the step (at most `MAX_ROWS`), ``BLOCK_R`` rows of the concatenated LoRA A matrices
-(all in one adapter: ``BLOCK_R`` divides every rank) and one span of ``BLOCK_K`` columns. It loads its A tile once and,
-row after row, makes the rows' elementwise part of that span (cheap: a few KB from L2), stores it from the programs
-of the first rank block only, and reduces ``part · A[j]`` over the span in fp32. The spans' partial sums go to a
-scratch buffer; the last program of a rank block to arrive adds them in span order (the same sum on every launch)
-and resets its arrival counter, so graph replays need no memset. The norm's statistics need whole rows: each program
-reads its rows' full width once for them (rows of a few KB, from L2).
+Each program takes every row of the step (at most `ROWS`, padded with masked rows), ``BLOCK_R`` rows of one LoRA A
+matrix and one span of ``BLOCK_K`` columns. It makes the rows' elementwise part of that span as one ``[ROWS,
+BLOCK_K]`` tile (stored by the programs of the first rank block only) and multiplies it with its A tile on the tensor
+cores in 3xTF32 (``tl.dot(..., input_precision="tf32x3")``: each fp32 operand split into two TF32 parts, three
+products, fp32-accurate to ~1e-6), so that A is read once per step and no row needs a reduction of its own. The spans'
+``[ROWS, BLOCK_R]`` partial sums go to a scratch buffer; the last program of a rank block to arrive adds them in span
+order (the same sum on every launch) and resets its arrival counter, so graph replays need no memset. The norm's
+statistics need whole rows: every program reads its rows' full width once for them (a few KB per row, from L2).
 
-Measured on the H200 (7B, 2026-12-02) before this layout, with one program per (row, rank block): every row's
-program re-read the A rows, so at 8 rows the SiLU·up shrink took 12 µs and the norm shrinks 4.8 µs per call
-(2.4 MB and 1.4 MB of A read eight times), against 5.0 and 3.5 µs at one row.
+Measured on the H200 (7B, 2026-12-02; `benchmarks/fused_decode/multi_row_shrink_2026-12-02/`): one program per (row,
+rank block) re-read A for every row (SiLU·up shrink 12 µs and norm shrinks 4.8 µs per call at 8 rows, against 5.0
+and 3.5 at one row); programs over every row that reduced each row on its own (``tl.sum`` across warps, one row
+after another) were slower still at 8 and 16 rows (norm shrinks 13.1 / 29.8 µs).
 """
 
 from __future__ import annotations
@@ -23,16 +25,15 @@ from ..nvfp4.cuda_mma import arrival_counters
 
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-MAX_ROWS = 16
-"""Most rows one launch takes (`fused_decode.FUSED_SHRINK_ROWS` stays at or below it): the row loop is unrolled."""
-MAX_BLOCK_K = 1024
-"""Columns per program: one span, loaded in one step (no chain of dependent loads within a program)."""
-TILE = 8192
-"""A-tile elements per program (``BLOCK_R x BLOCK_K``): bounds the registers (32 per thread at 8 warps)."""
-MIN_PROGRAMS = 64
-"""Fewest programs a launch should make (by smaller rank blocks) to spread over the GPU's multiprocessors."""
-NORM_BLOCK = 4096
-"""Columns per step of the norm statistics' pass over a whole row (a 7B row, 3,584, in one)."""
+ROWS = 16
+"""Rows of every launch's tile (the tensor cores' smallest M): steps of fewer rows mask the rest, more are refused
+(`fused_decode.FUSED_SHRINK_ROWS` stays at or below it)."""
+BLOCK_R = 16
+"""A rows per program (the tensor cores' smallest N): an adapter of another rank masks the rest of its last block."""
+MAX_BLOCK_K = 512
+"""Columns per program (one span, loaded in one step: no chain of dependent loads within a program)."""
+NORM_BLOCK = 512
+"""Columns per step of the norm statistics' pass over whole rows (``[ROWS, NORM_BLOCK]`` at a time)."""
 
 
 @triton.jit
@@ -48,41 +49,45 @@ def _round(x, OUT: tl.constexpr):
 
 
 @triton.jit
-def _adapter_rows(a0, a1, a2, first, width, rank0, rank1):
-    """Pointer to row ``first`` of the concatenated A matrices (``first`` and the block after it lie in one)."""
-    if first < rank0:
-        base = a0 + first * width
-    elif first < rank0 + rank1:
-        base = a1 + (first - rank0) * width
+def _a_tile(a0, a1, a2, offsets, inside, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R: tl.constexpr):
+    """This program's ``[BLOCK_R, BLOCK_K]`` tile of A (rows past its adapter's rank read as zeros) and the column
+    of ``t`` where its first row's products go."""
+    block = tl.program_id(0)
+    if block < blocks0:
+        local = block * BLOCK_R
+        base, rank, column = a0, rank0, local
+    elif block < blocks0 + blocks1:
+        local = (block - blocks0) * BLOCK_R
+        base, rank, column = a1, rank1, rank0 + local
     else:
-        base = a2 + (first - rank0 - rank1) * width
-    return base
+        local = (block - blocks0 - blocks1) * BLOCK_R
+        base, rank, column = a2, rank2, rank0 + rank1 + local
+    ranks = tl.arange(0, BLOCK_R)
+    mask = (ranks < rank - local)[:, None] & inside[None, :]
+    tile = tl.load(base + (local + ranks)[:, None] * width + offsets[None, :], mask=mask, other=0.0)
+    return tile, column, rank - local
 
 
 @triton.jit
-def _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr):
-    """The norm's input in fp32: ``x``, or ``x + residual`` rounded to OUT as the eager add rounds it."""
-    x = tl.load(x_row + offsets, mask=inside, other=0.0).to(tl.float32)
+def _norm_input(x_ptr, res_ptr, rows_x, rows_res, offsets, mask, HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr):
+    """The norm's input in fp32 for a ``[ROWS, columns]`` tile: ``x``, or ``x + residual`` rounded to OUT as the
+    eager add rounds it."""
+    x = tl.load(x_ptr + rows_x + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x = _round(x + tl.load(res_row + offsets, mask=inside, other=0.0).to(tl.float32), OUT).to(tl.float32)
+        x = _round(x + tl.load(res_ptr + rows_res + offsets, mask=mask, other=0.0).to(tl.float32), OUT)
+        x = x.to(tl.float32)
     return x
 
 
 @triton.jit
-def _row_width(width, rows, m):
-    """``width`` for a real row ``m`` (< ``rows``), else 0 (no column in range): an integer mask bound."""
-    return tl.minimum(width, (rows - m) * width)
-
-
-@triton.jit
-def _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, first,
+def _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid,
             ROWS: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
     """Store this program's ``acc[ROWS, BLOCK_R]`` into ``t`` (one span), or leave it as the span's partial and, in the
     last program of the rank block to arrive, add the partials in span order into ``t`` and reset the counter."""
     row_ids = tl.arange(0, ROWS)
     ranks = tl.arange(0, BLOCK_R)
-    targets = t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :]
-    live = (row_ids < rows)[:, None]
+    targets = t_ptr + row_ids[:, None] * stride_t + column + ranks[None, :]
+    live = (row_ids < rows)[:, None] & (ranks < valid)[None, :]
     if SPLITS == 1:
         tl.store(targets, acc, mask=live)
     else:
@@ -102,118 +107,90 @@ def _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, first,
 @triton.jit
 def _norm_shrink_kernel(
     x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr, partial_ptr, count_ptr,
-    rows, width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
+    rows, width, rank0, rank1, rank2, blocks0, blocks1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
     HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    first = tl.program_id(0) * BLOCK_R
+    row_ids = tl.arange(0, ROWS)
+    live = row_ids < rows
+    rows_x, rows_res = row_ids[:, None] * stride_x, row_ids[:, None] * stride_res
+    # the rows' inverse RMS over their whole width (torch.rsqrt, as the eager and inductor norms)
+    squares = tl.zeros([ROWS, NORM_K], dtype=tl.float32)
+    for start in range(0, width, NORM_K):
+        columns = start + tl.arange(0, NORM_K)
+        mask = live[:, None] & (columns < width)[None, :]
+        x = _norm_input(x_ptr, res_ptr, rows_x, rows_res, columns[None, :], mask, HAS_RESIDUAL, OUT)
+        squares += x * x
+    inverse = tl.rsqrt(tl.sum(squares, axis=1) / width + eps)
     offsets = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = offsets < width
-    row_ids = tl.arange(0, ROWS)
-    # the rows' inverse RMS over their whole width (torch.rsqrt, as the eager and inductor norms)
-    inverses = tl.zeros([ROWS], dtype=tl.float32)
-    for m in tl.static_range(ROWS):
-        squares = tl.zeros([NORM_K], dtype=tl.float32)
-        for start in range(0, width, NORM_K):
-            columns = start + tl.arange(0, NORM_K)
-            ok = columns < _row_width(width, rows, m)
-            x = _norm_input(x_ptr + m * stride_x, res_ptr + m * stride_res, columns, ok, HAS_RESIDUAL, OUT)
-            squares += x * x
-        inverses = tl.where(row_ids == m, tl.rsqrt(tl.sum(squares, axis=0) / width + eps), inverses)
-    a = tl.load(_adapter_rows(a0, a1, a2, first, width, rank0, rank1) + tl.arange(0, BLOCK_R)[:, None] * width
-                + offsets[None, :], mask=inside[None, :], other=0.0)  # fmt: skip
+    a, column, valid = _a_tile(a0, a1, a2, offsets, inside, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R)
+    mask = live[:, None] & inside[None, :]
+    x = _norm_input(x_ptr, res_ptr, rows_x, rows_res, offsets[None, :], mask, HAS_RESIDUAL, OUT)
+    if HAS_RESIDUAL and tl.program_id(0) == 0:
+        tl.store(s_ptr + row_ids[:, None] * stride_s + offsets[None, :], x.to(OUT), mask=mask)  # exact: rounded sum
     weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-    for m in tl.static_range(ROWS):
-        ok = offsets < _row_width(width, rows, m)
-        x = _norm_input(x_ptr + m * stride_x, res_ptr + m * stride_res, offsets, ok, HAS_RESIDUAL, OUT)
-        if HAS_RESIDUAL and tl.program_id(0) == 0:
-            tl.store(s_ptr + m * stride_s + offsets, x.to(OUT), mask=ok)  # exact: x holds a rounded sum
-        inverse = tl.sum(tl.where(row_ids == m, inverses, 0.0), axis=0)
-        h = _round(weight * _round(x * inverse, OUT).to(tl.float32), OUT)
-        if tl.program_id(0) == 0:  # the first rank block's programs write the elementwise part
-            tl.store(h_ptr + m * stride_h + offsets, h, mask=ok)
-        part = tl.sum(a * h.to(tl.float32)[None, :], axis=1)
-        acc = tl.where(row_ids[:, None] == m, part[None, :], acc)
-    _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, first, ROWS, BLOCK_R, SPLITS)
+    h = _round(weight[None, :] * _round(x * inverse[:, None], OUT).to(tl.float32), OUT)
+    if tl.program_id(0) == 0:  # the first rank block's programs write the elementwise part
+        tl.store(h_ptr + row_ids[:, None] * stride_h + offsets[None, :], h, mask=mask)
+    acc = tl.dot(h.to(tl.float32), tl.trans(a), input_precision="tf32x3")
+    _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid, ROWS, BLOCK_R, SPLITS)
 
 
 @triton.jit
 def _silu_mul_shrink_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
-    rows, width, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
+    rows, width, rank0, rank1, rank2, blocks0, blocks1, stride_gate, stride_up, stride_y, stride_t,
     OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    first = tl.program_id(0) * BLOCK_R
+    row_ids = tl.arange(0, ROWS)
     offsets = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = offsets < width
-    row_ids = tl.arange(0, ROWS)
-    a = tl.load(_adapter_rows(a0, a1, a2, first, width, rank0, rank1) + tl.arange(0, BLOCK_R)[:, None] * width
-                + offsets[None, :], mask=inside[None, :], other=0.0)  # fmt: skip
-    acc = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-    for m in tl.static_range(ROWS):
-        ok = offsets < _row_width(width, rows, m)
-        gate = tl.load(gate_ptr + m * stride_gate + offsets, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(up_ptr + m * stride_up + offsets, mask=ok, other=0.0).to(tl.float32)
-        activated = _round(gate / (1.0 + tl.exp(-gate)), OUT).to(tl.float32)
-        y = _round(activated * up, OUT)
-        if tl.program_id(0) == 0:
-            tl.store(y_ptr + m * stride_y + offsets, y, mask=ok)
-        part = tl.sum(a * y.to(tl.float32)[None, :], axis=1)
-        acc = tl.where(row_ids[:, None] == m, part[None, :], acc)
-    _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, first, ROWS, BLOCK_R, SPLITS)
+    a, column, valid = _a_tile(a0, a1, a2, offsets, inside, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R)
+    mask = (row_ids < rows)[:, None] & inside[None, :]
+    gate = tl.load(gate_ptr + row_ids[:, None] * stride_gate + offsets[None, :], mask=mask, other=0.0)
+    up = tl.load(up_ptr + row_ids[:, None] * stride_up + offsets[None, :], mask=mask, other=0.0)
+    gate = gate.to(tl.float32)
+    activated = _round(gate / (1.0 + tl.exp(-gate)), OUT).to(tl.float32)
+    y = _round(activated * up.to(tl.float32), OUT)
+    if tl.program_id(0) == 0:
+        tl.store(y_ptr + row_ids[:, None] * stride_y + offsets[None, :], y, mask=mask)
+    acc = tl.dot(y.to(tl.float32), tl.trans(a), input_precision="tf32x3")
+    _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid, ROWS, BLOCK_R, SPLITS)
 
 
 def block_k(width: int) -> int:
-    """Columns per program for rows of ``width``."""
-    return min(triton.next_power_of_2(width), MAX_BLOCK_K)
+    """Columns per program for rows of ``width`` (at least 16, the tensor cores' K)."""
+    return max(16, min(triton.next_power_of_2(width), MAX_BLOCK_K))
 
 
-def rank_block(ranks: list[int], columns: int = MAX_BLOCK_K, spans: int = 1) -> int:
-    """Rows of A per program: of 8, 4, 2, 1 those that divide every rank and keep the A tile of ``columns`` within
-    `TILE`, the largest that still makes `MIN_PROGRAMS` programs with ``spans`` spans per row (else the smallest)."""
-    fitting = [b for b in (8, 4, 2, 1) if b * columns <= TILE and all(r % b == 0 for r in ranks)]
-    return next((b for b in fitting if sum(ranks) // b * spans >= MIN_PROGRAMS), fitting[-1])
-
-
-def _padded_rows(rows: int) -> int:
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"the fused shrinks take 1 to {MAX_ROWS} rows per launch, not {rows}")
-    return triton.next_power_of_2(rows)
-
-
-def _warps(columns: int) -> int:
-    return max(1, min(8, columns // 128))
-
-
-def _adapter_args(lora_a: list[torch.Tensor]) -> tuple:
-    padded = list(lora_a) + [lora_a[0]] * (3 - len(lora_a))
-    ranks = [a.shape[0] for a in lora_a] + [0] * (3 - len(lora_a))
-    return padded, ranks[0], ranks[1]
-
-
-def _grid(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tensor) -> tuple:
-    """(launch grid, constexprs, scratch partials, counters) shared by both launchers."""
+def _launch_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tensor) -> tuple:
+    """(grid, adapter arguments: the three A matrices, their ranks and the first two's block counts; scratch
+    partials, counters, constexprs) shared by both launchers. Fewer than three adapters repeat the first with rank 0."""
+    if not 1 <= rows <= ROWS:
+        raise ValueError(f"the fused shrinks take 1 to {ROWS} rows per launch, not {rows}")
     columns = block_k(width)
     splits = triton.cdiv(width, columns)
-    block = rank_block([a.shape[0] for a in lora_a], columns, splits)
-    blocks, padded = t.shape[1] // block, _padded_rows(rows)
-    partials = t.new_empty(blocks * splits * padded * block) if splits > 1 else t
+    ranks = [a.shape[0] for a in lora_a] + [0] * (3 - len(lora_a))
+    counts = [triton.cdiv(r, BLOCK_R) for r in ranks]
+    blocks = sum(counts)
+    matrices = list(lora_a) + [lora_a[0]] * (3 - len(lora_a))
+    adapters = (*matrices, *ranks, counts[0], counts[1])
+    partials = t.new_empty(blocks * splits * ROWS * BLOCK_R) if splits > 1 else t
     counters = arrival_counters(t.device, blocks) if splits > 1 else t
-    meta = dict(ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=_warps(columns))
-    return (blocks, splits), meta, partials, counters
+    meta = dict(ROWS=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=columns, SPLITS=splits, num_warps=4)
+    return (blocks, splits), adapters, partials, counters, meta
 
 
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
-    grid, meta, partials, counters = _grid(rows, width, lora_a, t)
-    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
+    grid, adapters, partials, counters, meta = _launch_args(rows, width, lora_a, t)
     has_residual = residual is not None
     residual = residual if has_residual else x
     s = s if has_residual else h
     _norm_shrink_kernel[grid](
-        x, residual, weight, a0, a1, a2, s, h, t, partials, counters, rows, width, rank0, rank1, eps,
+        x, residual, weight, *adapters[:3], s, h, t, partials, counters, rows, width, *adapters[3:], eps,
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
         HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], NORM_K=min(triton.next_power_of_2(width), NORM_BLOCK),
         **meta,
@@ -224,9 +201,8 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
     """Fill ``y = silu(gate) * up`` and ``t`` (see `fused_shrink`); ``gate`` and ``up`` rows may be strided (the
     halves of a fused gate/up output)."""
     rows, width = gate.shape
-    grid, meta, partials, counters = _grid(rows, width, lora_a, t)
-    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
+    grid, adapters, partials, counters, meta = _launch_args(rows, width, lora_a, t)
     _silu_mul_shrink_kernel[grid](
-        gate, up, a0, a1, a2, y, t, partials, counters, rows, width, rank0, rank1,
+        gate, up, *adapters[:3], y, t, partials, counters, rows, width, *adapters[3:],
         gate.stride(0), up.stride(0), y.stride(0), t.stride(0), OUT=_DTYPES[y.dtype], **meta,
     )  # fmt: skip
