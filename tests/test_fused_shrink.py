@@ -27,8 +27,6 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 pytestmark = pytest.mark.usefixtures("quiet_warnings")
 RANKS = {"qkv": (8, 4, 16), "one": (32,), "odd": (5, 3)}
-SHAPES = [(1, 200), (3, 1100), (1, 9000)]  # rows x width: one span, a few, many (the interpreter is slow: more rows
-MANY_ROWS = [(16, 700), (6, 2100)]  # below, with one set of ranks and dtype: the most rows, several rows and spans
 
 
 def _case(m, k, ranks, dtype, seed=0):
@@ -63,7 +61,7 @@ def _assert_shrink(t, h, lora_a):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
 @pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{k}" for m, k in SHAPES])
+@pytest.mark.parametrize("shape", [(1, 200), (3, 1100), (1, 9000)], ids=["1x200", "3x1100", "1x9000"])
 def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, shape):
     from trl_qerl.rollout._fused_shrink_kernel import norm_shrink
 
@@ -80,7 +78,7 @@ def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, s
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{k}" for m, k in SHAPES])
+@pytest.mark.parametrize("shape", [(1, 200), (3, 1100), (1, 9000)], ids=["1x200", "3x1100", "1x9000"])
 def test_silu_mul_shrink_kernel_reads_strided_halves(dtype, ranks, shape):
     from trl_qerl.rollout._fused_shrink_kernel import silu_mul_shrink as launch
 
@@ -94,50 +92,32 @@ def test_silu_mul_shrink_kernel_reads_strided_halves(dtype, ranks, shape):
     _assert_shrink(t, y, lora_a)
 
 
-@pytest.mark.parametrize("shape", MANY_ROWS, ids=[f"{m}x{k}" for m, k in MANY_ROWS])
-def test_programs_take_every_row_of_the_step(shape):
-    """Each program multiplies its A tile with every row's elementwise part at once (up to 16 rows)."""
-    from trl_qerl.rollout._fused_shrink_kernel import norm_shrink, silu_mul_shrink
-
-    m, k = shape
-    x, res, lora_a = _case(m, k, (32, 32, 16), torch.bfloat16, seed=m)  # more than one 16-row block each
-    weight = torch.rand(k, device=DEVICE) + 0.5
-    s, h, t = _poisoned(x), _poisoned(x), _poisoned(x, torch.float32, 80)
-    norm_shrink(x, res, weight, 1e-6, lora_a, s, h, t)
-    assert torch.equal(s, x + res)
-    _assert_rounded_alike(h, rms_norm_reference(x + res, weight, 1e-6))
-    _assert_shrink(t, h, lora_a)
-    y, t = _poisoned(x), _poisoned(x, torch.float32, 80)
-    silu_mul_shrink(x, res, lora_a, y, t)
-    _assert_rounded_alike(y, F.silu(x) * res)
-    _assert_shrink(t, y, lora_a)
-
-
-def test_spans_leave_their_counters_at_zero_for_the_next_launch():
-    """Rows of 9,000: the programs of a rank block take one span each and the last to arrive adds the partials; a
-    second launch (a graph replay, say) must find every counter back at zero."""
+def test_split_rows_leave_their_counters_at_zero_for_the_next_launch():
+    """One row of 9,000: the programs split it and the last to arrive adds the partials; a second launch (a graph
+    replay, say) must find every counter back at zero."""
     from trl_qerl.nvfp4.cuda_mma import arrival_counters
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
-    for seed, rows in ((0, 1), (1, 5)):
-        fused = _case(rows, 18000, (), torch.bfloat16, seed=seed)[0]
+    for seed in (0, 1):
+        fused = _case(1, 18000, (), torch.bfloat16, seed=seed)[0]
         gate, up = fused.split(9000, dim=1)
-        lora_a = _case(rows, 9000, (32,), torch.bfloat16, seed=seed + 10)[2]
+        lora_a = _case(1, 9000, (32,), torch.bfloat16, seed=seed + 10)[2]
         y, t = _poisoned(gate), _poisoned(gate, torch.float32, 32)
         kernel.silu_mul_shrink(gate, up, lora_a, y, t)
         _assert_shrink(t, y, lora_a)
-        assert int(arrival_counters(gate.device, 32).abs().sum()) == 0
+        assert int(arrival_counters(gate.device, 1).abs().sum()) == 0
 
 
-def test_launches_take_at_most_sixteen_rows():
-    from trl_qerl.rollout._fused_shrink_kernel import ROWS, block_k, silu_mul_shrink
+def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
+    from trl_qerl.rollout._fused_shrink_kernel import TILE, block_k, rank_block
 
-    assert fused_decode.FUSED_SHRINK_ROWS <= ROWS
-    assert block_k(7) == 16 and block_k(200) == 256 and block_k(18944) == 512
-    gate = torch.randn(ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
-    t = gate.new_empty(ROWS + 1, 4, dtype=torch.float32)
-    with pytest.raises(ValueError, match="1 to 16 rows"):
-        silu_mul_shrink(gate, gate, [torch.randn(4, 64, device=DEVICE)], torch.empty_like(gate), t)
+    assert block_k(200) == 256 and block_k(3584) == 4096 and block_k(18944) == 4096
+    assert rank_block(1, [32, 32, 32]) == 1  # 96 programs: as many as there are
+    assert rank_block(16, [32, 32, 32], columns=2048) == 4
+    assert rank_block(16, [32, 32, 32], columns=4096) == 2  # 4 x 4096 would exceed the tile
+    assert rank_block(16, [32, 6], columns=1024) == 2  # 4 does not divide 6
+    assert rank_block(64, [5]) == 1
+    assert all(b * 4096 <= TILE for b in {rank_block(m, [32], 4096) for m in (1, 8, 16, 64)})
 
 
 def test_ops_pass_opcheck():

@@ -1,18 +1,8 @@
 """The Triton kernels of `fused_shrink` (kept apart: Triton is optional, and only launching needs it).
 
-Each program takes every row of the step (at most `ROWS`, padded with masked rows), ``BLOCK_R`` rows of one LoRA A
-matrix and one span of ``BLOCK_K`` columns. It makes the rows' elementwise part of that span as one ``[ROWS,
-BLOCK_K]`` tile (stored by the programs of the first rank block only) and multiplies it with its A tile on the tensor
-cores in 3xTF32 (``tl.dot(..., input_precision="tf32x3")``: each fp32 operand split into two TF32 parts, three
-products, fp32-accurate to ~1e-6), so that A is read once per step and no row needs a reduction of its own. The spans'
-``[ROWS, BLOCK_R]`` partial sums go to a scratch buffer; the last program of a rank block to arrive adds them in span
-order (the same sum on every launch) and resets its arrival counter, so graph replays need no memset. The norm's
-statistics need whole rows: every program reads its rows' full width once for them (a few KB per row, from L2).
-
-Measured on the H200 (7B, 2026-12-02; `benchmarks/fused_decode/multi_row_shrink_2026-12-02/`): one program per (row,
-rank block) re-read A for every row (SiLU·up shrink 12 µs and norm shrinks 4.8 µs per call at 8 rows, against 5.0
-and 3.5 at one row); programs over every row that reduced each row on its own (``tl.sum`` across warps, one row
-after another) were slower still at 8 and 16 rows (norm shrinks 13.1 / 29.8 µs).
+Each program takes one row and ``BLOCK_R`` rows of the concatenated LoRA A matrices (all in one adapter: ``BLOCK_R``
+divides every rank). It recomputes the row's elementwise part (cheap: the row is a few KB, read from L2), stores it
+only from the programs of the first rank block, and reduces ``part · A[j]`` over the row in fp32.
 """
 
 from __future__ import annotations
@@ -25,15 +15,18 @@ from ..nvfp4.cuda_mma import arrival_counters
 
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-ROWS = 16
-"""Rows of every launch's tile (the tensor cores' smallest M): steps of fewer rows mask the rest, more are refused
-(`fused_decode.FUSED_SHRINK_ROWS` stays at or below it)."""
-BLOCK_R = 16
-"""A rows per program (the tensor cores' smallest N): an adapter of another rank masks the rest of its last block."""
-MAX_BLOCK_K = 512
-"""Columns per program (one span, loaded in one step: no chain of dependent loads within a program)."""
-NORM_BLOCK = 512
-"""Columns per step of the norm statistics' pass over whole rows (``[ROWS, NORM_BLOCK]`` at a time)."""
+MAX_BLOCK_K = 4096
+"""Columns per step: a 7B row (3,584) in one, so the norm's second pass reads x again from L1, not after a loop.
+Measured on the H200 (7B, 2026-12-02): steps of 512 made each program a chain of dependent loads (18,944-long
+SiLU·up shrink: 27 µs per call at one row)."""
+TILE = 8192
+"""A-tile elements per program and step (``BLOCK_R x BLOCK_K``): bounds the registers (32 per thread at 8 warps)."""
+TARGET_PROGRAMS = 264
+"""Two waves of a 132-multiprocessor GPU: below this many (row, rank block) programs the rank block shrinks, and
+`silu_mul_shrink` splits rows."""
+MIN_SPAN = 1024
+"""Fewest columns per split program of `silu_mul_shrink`."""
+SPAN_ALIGN = 256
 
 
 @triton.jit
@@ -49,160 +42,161 @@ def _round(x, OUT: tl.constexpr):
 
 
 @triton.jit
-def _a_tile(a0, a1, a2, offsets, inside, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R: tl.constexpr):
-    """This program's ``[BLOCK_R, BLOCK_K]`` tile of A (rows past its adapter's rank read as zeros) and the column
-    of ``t`` where its first row's products go."""
-    block = tl.program_id(0)
-    if block < blocks0:
-        local = block * BLOCK_R
-        base, rank, column = a0, rank0, local
-    elif block < blocks0 + blocks1:
-        local = (block - blocks0) * BLOCK_R
-        base, rank, column = a1, rank1, rank0 + local
+def _adapter_rows(a0, a1, a2, first, width, rank0, rank1):
+    """Pointer to row ``first`` of the concatenated A matrices (``first`` and the block after it lie in one)."""
+    if first < rank0:
+        base = a0 + first * width
+    elif first < rank0 + rank1:
+        base = a1 + (first - rank0) * width
     else:
-        local = (block - blocks0 - blocks1) * BLOCK_R
-        base, rank, column = a2, rank2, rank0 + rank1 + local
-    ranks = tl.arange(0, BLOCK_R)
-    mask = (ranks < rank - local)[:, None] & inside[None, :]
-    tile = tl.load(base + (local + ranks)[:, None] * width + offsets[None, :], mask=mask, other=0.0)
-    return tile, column, rank - local
+        base = a2 + (first - rank0 - rank1) * width
+    return base
 
 
 @triton.jit
-def _norm_input(x_ptr, res_ptr, rows_x, rows_res, offsets, mask, HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr):
-    """The norm's input in fp32 for a ``[ROWS, columns]`` tile: ``x``, or ``x + residual`` rounded to OUT as the
-    eager add rounds it."""
-    x = tl.load(x_ptr + rows_x + offsets, mask=mask, other=0.0).to(tl.float32)
+def _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr):
+    """The norm's input in fp32: ``x``, or ``x + residual`` rounded to OUT as the eager add rounds it."""
+    x = tl.load(x_row + offsets, mask=inside, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x = _round(x + tl.load(res_ptr + rows_res + offsets, mask=mask, other=0.0).to(tl.float32), OUT)
-        x = x.to(tl.float32)
+        x = _round(x + tl.load(res_row + offsets, mask=inside, other=0.0).to(tl.float32), OUT).to(tl.float32)
     return x
 
 
 @triton.jit
-def _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid,
-            ROWS: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
-    """Store this program's ``acc[ROWS, BLOCK_R]`` into ``t`` (one span), or leave it as the span's partial and, in the
-    last program of the rank block to arrive, add the partials in span order into ``t`` and reset the counter."""
-    row_ids = tl.arange(0, ROWS)
-    ranks = tl.arange(0, BLOCK_R)
-    targets = t_ptr + row_ids[:, None] * stride_t + column + ranks[None, :]
-    live = (row_ids < rows)[:, None] & (ranks < valid)[None, :]
-    if SPLITS == 1:
-        tl.store(targets, acc, mask=live)
-    else:
-        block = tl.program_id(0)
-        tile = row_ids[:, None] * BLOCK_R + ranks[None, :]
-        tl.store(partial_ptr + (block * SPLITS + tl.program_id(1)) * ROWS * BLOCK_R + tile, acc)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            total = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-            for split in range(SPLITS):
-                total += tl.load(partial_ptr + (block * SPLITS + split) * ROWS * BLOCK_R + tile, cache_modifier=".cg")
-            tl.store(targets, total, mask=live)
-            tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _norm_shrink_kernel(
-    x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr, partial_ptr, count_ptr,
-    rows, width, rank0, rank1, rank2, blocks0, blocks1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
-    HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLITS: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr,
+    width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
+    HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    row_ids = tl.arange(0, ROWS)
-    live = row_ids < rows
-    rows_x, rows_res = row_ids[:, None] * stride_x, row_ids[:, None] * stride_res
-    # the rows' inverse RMS over their whole width (torch.rsqrt, as the eager and inductor norms)
-    squares = tl.zeros([ROWS, NORM_K], dtype=tl.float32)
-    for start in range(0, width, NORM_K):
-        columns = start + tl.arange(0, NORM_K)
-        mask = live[:, None] & (columns < width)[None, :]
-        x = _norm_input(x_ptr, res_ptr, rows_x, rows_res, columns[None, :], mask, HAS_RESIDUAL, OUT)
+    row = tl.program_id(0)
+    first = tl.program_id(1) * BLOCK_R
+    columns = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(0, width, BLOCK_K):
+        offsets = start + columns
+        inside = offsets < width
+        x = _norm_input(x_ptr + row * stride_x, res_ptr + row * stride_res, offsets, inside, HAS_RESIDUAL, OUT)
         squares += x * x
-    inverse = tl.rsqrt(tl.sum(squares, axis=1) / width + eps)
-    offsets = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    inside = offsets < width
-    a, column, valid = _a_tile(a0, a1, a2, offsets, inside, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R)
-    mask = live[:, None] & inside[None, :]
-    x = _norm_input(x_ptr, res_ptr, rows_x, rows_res, offsets[None, :], mask, HAS_RESIDUAL, OUT)
-    if HAS_RESIDUAL and tl.program_id(0) == 0:
-        tl.store(s_ptr + row_ids[:, None] * stride_s + offsets[None, :], x.to(OUT), mask=mask)  # exact: rounded sum
-    weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    h = _round(weight[None, :] * _round(x * inverse[:, None], OUT).to(tl.float32), OUT)
-    if tl.program_id(0) == 0:  # the first rank block's programs write the elementwise part
-        tl.store(h_ptr + row_ids[:, None] * stride_h + offsets[None, :], h, mask=mask)
-    acc = tl.dot(h.to(tl.float32), tl.trans(a), input_precision="tf32x3")
-    _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid, ROWS, BLOCK_R, SPLITS)
+    inverse = tl.rsqrt(tl.sum(squares, axis=0) / width + eps)  # torch.rsqrt, as the eager and inductor norms
+    base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
+    ranks = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(0, width, BLOCK_K):
+        offsets = start + columns
+        inside = offsets < width
+        x = _norm_input(x_ptr + row * stride_x, res_ptr + row * stride_res, offsets, inside, HAS_RESIDUAL, OUT)
+        if HAS_RESIDUAL and tl.program_id(1) == 0:
+            tl.store(s_ptr + row * stride_s + offsets, x.to(OUT), mask=inside)  # exact: x holds a rounded sum
+        normed = _round(x * inverse, OUT).to(tl.float32)
+        weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        h = _round(weight * normed, OUT)
+        if tl.program_id(1) == 0:  # one program per row writes the elementwise part
+            tl.store(h_ptr + row * stride_h + offsets, h, mask=inside)
+        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+        acc += tl.sum(a * h.to(tl.float32)[None, :], axis=1)
+    tl.store(t_ptr + row * stride_t + first + ranks, acc)
 
 
 @triton.jit
 def _silu_mul_shrink_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
-    rows, width, rank0, rank1, rank2, blocks0, blocks1, stride_gate, stride_up, stride_y, stride_t,
-    OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
+    OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    row_ids = tl.arange(0, ROWS)
-    offsets = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    inside = offsets < width
-    a, column, valid = _a_tile(a0, a1, a2, offsets, inside, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R)
-    mask = (row_ids < rows)[:, None] & inside[None, :]
-    gate = tl.load(gate_ptr + row_ids[:, None] * stride_gate + offsets[None, :], mask=mask, other=0.0)
-    up = tl.load(up_ptr + row_ids[:, None] * stride_up + offsets[None, :], mask=mask, other=0.0)
-    gate = gate.to(tl.float32)
-    activated = _round(gate / (1.0 + tl.exp(-gate)), OUT).to(tl.float32)
-    y = _round(activated * up.to(tl.float32), OUT)
-    if tl.program_id(0) == 0:
-        tl.store(y_ptr + row_ids[:, None] * stride_y + offsets[None, :], y, mask=mask)
-    acc = tl.dot(y.to(tl.float32), tl.trans(a), input_precision="tf32x3")
-    _finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid, ROWS, BLOCK_R, SPLITS)
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    first = block * BLOCK_R
+    low = tl.program_id(2) * span
+    high = tl.minimum(low + span, width)
+    columns = tl.arange(0, BLOCK_K)
+    base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
+    ranks = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start in range(low, high, BLOCK_K):
+        offsets = start + columns
+        inside = offsets < high
+        gate = tl.load(gate_ptr + row * stride_gate + offsets, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(up_ptr + row * stride_up + offsets, mask=inside, other=0.0).to(tl.float32)
+        activated = _round(gate / (1.0 + tl.exp(-gate)), OUT).to(tl.float32)
+        y = _round(activated * up, OUT)
+        if block == 0:
+            tl.store(y_ptr + row * stride_y + offsets, y, mask=inside)
+        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+        acc += tl.sum(a * y.to(tl.float32)[None, :], axis=1)
+    if SPLITS == 1:
+        tl.store(t_ptr + row * stride_t + first + ranks, acc)
+    else:
+        # Split over the row: each program leaves its partial, the last to arrive adds them in split order (the
+        # same sum on every launch) and resets the counter for the next launch (so graph replays need no memset).
+        slot = row * tl.num_programs(1) + block
+        tl.store(partial_ptr + (slot * SPLITS + tl.program_id(2)) * BLOCK_R + ranks, acc)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for split in range(SPLITS):
+                total += tl.load(partial_ptr + (slot * SPLITS + split) * BLOCK_R + ranks, cache_modifier=".cg")
+            tl.store(t_ptr + row * stride_t + first + ranks, total)
+            tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
 
 
 def block_k(width: int) -> int:
-    """Columns per program for rows of ``width`` (at least 16, the tensor cores' K)."""
-    return max(16, min(triton.next_power_of_2(width), MAX_BLOCK_K))
+    return min(triton.next_power_of_2(width), MAX_BLOCK_K)
 
 
-def _launch_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tensor) -> tuple:
-    """(grid, adapter arguments: the three A matrices, their ranks and the first two's block counts; scratch
-    partials, counters, constexprs) shared by both launchers. Fewer than three adapters repeat the first with rank 0."""
-    if not 1 <= rows <= ROWS:
-        raise ValueError(f"the fused shrinks take 1 to {ROWS} rows per launch, not {rows}")
-    columns = block_k(width)
-    splits = triton.cdiv(width, columns)
+def rank_block(rows: int, ranks: list[int], columns: int = MAX_BLOCK_K) -> int:
+    """Rows of A per program: the largest of 4, 2, 1 that divides every rank, keeps the A tile within `TILE` for
+    steps of ``columns``, and still gives `TARGET_PROGRAMS`."""
+    total = sum(ranks)
+    for block in (4, 2):
+        fits = block * columns <= TILE and all(r % block == 0 for r in ranks)
+        if fits and rows * total // block >= TARGET_PROGRAMS:
+            return block
+    return 1
+
+
+def _warps(columns: int) -> int:
+    return max(1, min(8, columns // 512))
+
+
+def _adapter_args(lora_a: list[torch.Tensor]) -> tuple:
+    padded = list(lora_a) + [lora_a[0]] * (3 - len(lora_a))
     ranks = [a.shape[0] for a in lora_a] + [0] * (3 - len(lora_a))
-    counts = [triton.cdiv(r, BLOCK_R) for r in ranks]
-    blocks = sum(counts)
-    matrices = list(lora_a) + [lora_a[0]] * (3 - len(lora_a))
-    adapters = (*matrices, *ranks, counts[0], counts[1])
-    partials = t.new_empty(blocks * splits * ROWS * BLOCK_R) if splits > 1 else t
-    counters = arrival_counters(t.device, blocks) if splits > 1 else t
-    meta = dict(ROWS=ROWS, BLOCK_R=BLOCK_R, BLOCK_K=columns, SPLITS=splits, num_warps=4)
-    return (blocks, splits), adapters, partials, counters, meta
+    return padded, ranks[0], ranks[1]
 
 
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
-    grid, adapters, partials, counters, meta = _launch_args(rows, width, lora_a, t)
+    columns = block_k(width)
+    block = rank_block(rows, [a.shape[0] for a in lora_a], columns)
+    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     has_residual = residual is not None
     residual = residual if has_residual else x
     s = s if has_residual else h
+    grid = (rows, t.shape[1] // block)
     _norm_shrink_kernel[grid](
-        x, residual, weight, *adapters[:3], s, h, t, partials, counters, rows, width, *adapters[3:], eps,
+        x, residual, weight, a0, a1, a2, s, h, t, width, rank0, rank1, eps,
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
-        HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], NORM_K=min(triton.next_power_of_2(width), NORM_BLOCK),
-        **meta,
+        HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns, num_warps=_warps(columns),
     )  # fmt: skip
 
 
 def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
-    """Fill ``y = silu(gate) * up`` and ``t`` (see `fused_shrink`); ``gate`` and ``up`` rows may be strided (the
-    halves of a fused gate/up output)."""
+    """Fill ``y = silu(gate) * up`` and ``t`` (see `fused_shrink`). Few (row, rank block) programs split the row
+    (7B down at one row: 32 programs of 18,944 columns each would be chains of dependent loads)."""
     rows, width = gate.shape
-    grid, adapters, partials, counters, meta = _launch_args(rows, width, lora_a, t)
-    _silu_mul_shrink_kernel[grid](
-        gate, up, *adapters[:3], y, t, partials, counters, rows, width, *adapters[3:],
-        gate.stride(0), up.stride(0), y.stride(0), t.stride(0), OUT=_DTYPES[y.dtype], **meta,
+    block = rank_block(rows, [a.shape[0] for a in lora_a], block_k(width))
+    blocks = t.shape[1] // block
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows * blocks), triton.cdiv(width, MIN_SPAN)))
+    span = triton.cdiv(triton.cdiv(width, splits), SPAN_ALIGN) * SPAN_ALIGN
+    splits = triton.cdiv(width, span)
+    columns = block_k(span)
+    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
+    partials = t.new_empty(rows * blocks * splits * block) if splits > 1 else t
+    counters = arrival_counters(t.device, rows * blocks) if splits > 1 else t
+    _silu_mul_shrink_kernel[(rows, blocks, splits)](
+        gate, up, a0, a1, a2, y, t, partials, counters, width, span, rank0, rank1,
+        gate.stride(0), up.stride(0), y.stride(0), t.stride(0),
+        OUT=_DTYPES[y.dtype], BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=_warps(columns),
     )  # fmt: skip
