@@ -129,8 +129,10 @@ K_SPLITS = (1, 2, 4)
 """CTAs per tile that `MMAConfig.k_splits` may name."""
 
 SPLIT_K_CANDIDATES = False
-"""Whether `candidate_configs` offers ``k_splits`` > 1 to the chooser. Off: the split builds compile for every
-target and leave the other builds' SASS as it was (CPU tests), but have not yet run on a GPU (2026-12-02)."""
+"""Whether `candidate_configs` offers ``k_splits`` > 1 to the chooser. Off, by measurement (H200, 2026-12-02,
+BENCHMARKS.md "NVFP4 kernels v5"): the split builds pass the GPU tests, but at 7B shapes the best split instance took
+1.04-1.50x the best plain one at 1-16 rows (~2 µs more per launch for the partials, the arrival and the second pass,
+more than the fuller grid gains); only 32B down at 8-16 rows gained 2-4 %. ``bench_kernels.py --split-k`` times them."""
 
 
 class _SplitK(ctypes.Structure):
