@@ -220,22 +220,22 @@ def bench_point(layer: Layer, rows: int, variants: list[str], pdl: bool = False)
             [lambda q=q: torch.ops.trl_qerl.nvfp4_grad_input(grad, *q) for q in layer.fused]
         )
         result["bf16_backward_s"] = graph_time([lambda w=w: grad @ w for w in layer.dense])
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if variants and rows <= kernels.MMA_MAX_ROWS and cuda_mma.supports(x, layer.members[0]):
         result["sweep_s"] = {}
         for variant in variants:
-            options = tuple(f"-D{define}" for define in variant.split(",") if define)
-            for config in cuda_mma.candidate_configs(rows, n, k):
+            options = nvrtc.define_flags(variant)
+            for config in cuda_mma.candidate_configs(rows, n, k, num_sms):
                 calls = [lambda m=m, c=config, o=options: cuda_mma.matmul(x, m, c, options=o) for m in layer.members]
                 try:
                     result["sweep_s"][f"{variant or 'default'}|{config}"] = graph_time(calls, repeats=7)
                 except RuntimeError as error:  # an instance that does not build (registers, shared memory)
                     result["sweep_s"][f"{variant or 'default'}|{config}"] = repr(error)[:200]
     if variants and cuda_mma.supports_tile(x, layer.members[0]):
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         for config in kernels.tile_candidates(kernels.m_bucket(rows), n, k, x.device, num_sms):
             # the wgmma kernel's source switches too (e.g. NVFP4_WGMMA_PROFILE=1: no decode, wrong products)
             for variant in variants if isinstance(config, cuda_wgmma.WgmmaConfig) else [""]:
-                options = tuple(f"-D{define}" for define in variant.split(",") if define)
+                options = nvrtc.define_flags(variant)
                 calls = [
                     (lambda m=m, c=config, o=options: cuda_wgmma.wgmma_matmul(x, m, c, options=o))
                     if isinstance(config, cuda_wgmma.WgmmaConfig)

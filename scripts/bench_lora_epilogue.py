@@ -22,7 +22,7 @@ import torch
 import triton
 from model_shapes import NAMES, qwen25_config
 
-from trl_qerl.nvfp4 import cuda_mma, kernels
+from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc
 from trl_qerl.nvfp4.format import quantize
 from trl_qerl.rollout.decoder_spec import LoraTerm, Projection
 from trl_qerl.rollout.fused_decode import _add_lora_as_reductions
@@ -94,7 +94,7 @@ def main() -> None:
                    "epilogue_us": time_us(epilogue),
                    "choice": str(kernels.chosen(x, weights))}  # fmt: skip
             for variant in args.variants:
-                options = tuple(f"-D{define}" for define in variant.split(",") if define)
+                options = nvrtc.define_flags(variant)
                 row[f"epilogue_{variant}_us"] = time_us(lambda o=options: epilogue(o))
             ours = torch.cat(unfused(), dim=1).double()
             row["relative_error_vs_unfused"] = ((epilogue().double() - ours).norm() / ours.norm()).item()

@@ -97,25 +97,22 @@ shrinks left to inductor, each a reduction of its own, instead of made with thei
 choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones for the keys
 they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process."""
 
-ALT_CHOICES: str | None = None
-"""``--alt-choices``: the table the ``+alt_choices`` engines use."""
-
 
 @contextlib.contextmanager
-def engine_environment(engine: str):
+def engine_environment(engine: str, alt_choices: str | None = None):
     """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
     ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
-    ones (read when a layer compiles), `ALT_CHOICES` over the kernel choices for the ``+alt_choices`` ones (read at
-    each uncaptured call; captured graphs keep the launch); else unchanged."""
+    ones (read when a layer compiles), the table ``alt_choices`` over the kernel choices for the ``+alt_choices`` ones
+    (read at each uncaptured call; captured graphs keep the launch); else unchanged."""
     pdl, epilogue, shrink = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK
     alternative = engine.endswith("+alt_choices")
-    shipped = dict(kernels.CHOOSER.choices)
+    shipped = dict(kernels.CHOOSER.choices) if alternative else None
     if pdl:
         os.environ["NVFP4_PDL"] = "1"
     if alternative:
-        if ALT_CHOICES is None:
+        if alt_choices is None:
             raise SystemExit(f"engine {engine!r} needs --alt-choices FILE (a table saved by bench_kernels.py)")
-        kernels.CHOOSER.load(ALT_CHOICES)
+        kernels.CHOOSER.load(alt_choices)
     fused_decode.LORA_EPILOGUE = epilogue and not engine.endswith("+lora_unfused")
     fused_decode.FUSED_SHRINK = shrink and not engine.endswith("+shrink_unfused")
     try:
@@ -263,8 +260,6 @@ def main() -> None:
     parser.add_argument("--alt-choices", default=None, metavar="FILE",
                         help="kernel choices (saved by bench_kernels.py --choices) for the +alt_choices engines")  # fmt: skip
     args = parser.parse_args()
-    global ALT_CHOICES
-    ALT_CHOICES = args.alt_choices
     if args.lora_reduction_rows is not None:
         fused_decode.LORA_REDUCTION_ROWS = args.lora_reduction_rows  # read when a layer compiles: before any engine
     warnings.filterwarnings("ignore")
@@ -289,7 +284,7 @@ def main() -> None:
     def run_engines(model, label, context):
         for engine in args.engines:
             generator = StaticCacheGenerator(model, **ENGINES[engine])
-            with context(), engine_environment(engine):
+            with context(), engine_environment(engine, args.alt_choices):
                 for batch in args.batches:
                     measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens, args.new_tokens,
                             vocab), batch, args.new_tokens, rows)  # fmt: skip

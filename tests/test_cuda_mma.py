@@ -60,6 +60,12 @@ def test_supports_only_cuda_16_bit_activations():
     assert not cuda_mma.supports(torch.randn(2, 64, dtype=torch.bfloat16), [weight])
 
 
+def test_define_flags_read_comma_separated_switches():
+    """The benchmarks' ``--variants`` form: comma-separated defines, ``""`` the default build."""
+    assert nvrtc.define_flags("") == ()
+    assert nvrtc.define_flags("NVFP4_DEPTH=2,NVFP4_L2_PREFETCH=1") == ("-DNVFP4_DEPTH=2", "-DNVFP4_L2_PREFETCH=1")
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", TARGETS)
 def test_kernel_cross_compiles_for_each_target(arch):

@@ -128,6 +128,12 @@ def _program_log(program) -> str:
 
 
 # -- compiling ------------------------------------------------------------------------------------------------
+def define_flags(defines: str) -> tuple[str, ...]:
+    """``-D`` options from comma-separated defines (``"NVFP4_DEPTH=2,NVFP4_L2_PREFETCH=1"``; ``""``: none), the
+    form benchmarks take a source's compile-time switches in."""
+    return tuple(f"-D{define}" for define in defines.split(",") if define)
+
+
 def compile_cubin(source: str, name_expression: str, arch: str, options: tuple[str, ...] = (),
                   log: list[str] | None = None) -> tuple[bytes, str]:  # fmt: skip
     """``(cubin, lowered kernel name)`` of ``name_expression`` (e.g. ``"kernel<1, 2>"``) for ``arch``
