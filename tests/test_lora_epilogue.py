@@ -203,7 +203,7 @@ def test_lora_lives_in_the_epilogue_only(tmp_path, config, rank):
 # -- on a GPU -------------------------------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])  # 1 and 9: CTAs of one token (the single-token branch)
 def test_every_decode_instance_adds_the_terms(dtype, m):
     k = 768
     x, weights, biases, hidden, lora_b = _case(m, k, dtype, "cuda", seed=m)

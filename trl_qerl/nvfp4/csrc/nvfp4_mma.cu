@@ -29,6 +29,10 @@
 // outputs, our activations, are visible only after it), and lets the next kernel start its own prologue once the
 // main loop is done. Every global write happens after the wait. The default build has neither instruction.
 
+#ifndef NVFP4_LORA_SINGLE_TOKEN
+#define NVFP4_LORA_SINGLE_TOKEN 1  // a one-token CTA computes one token's LoRA terms, not TOKENS copies of them
+#endif
+
 #ifndef NVFP4_DEPTH
 #define NVFP4_DEPTH 1  // 128-column blocks loaded ahead of the one being multiplied (2 and 3 measured no faster)
 #endif
@@ -92,21 +96,61 @@ __device__ __forceinline__ T pick(const T (&a)[MAX_SEGMENTS], int s) {
   return s == 0 ? a[0] : (s == 1 ? a[1] : a[2]);
 }
 
+// The LoRA terms of GROUP tokens (from `first`) into terms[token][row]: lane c of a row's LANES lanes multiplies
+// its chunk(s) of B (b4, loaded by `lora_terms`) with chunk c of each token's t row; the LANES lanes add their sums
+// by shuffles (every lane takes part in every shuffle). The tokens' loads are unrolled so that they issue together.
+template <int RANK, int ROWS, int THREADS>
+struct LoraLanes {
+  static constexpr int LANES = RANK / 4 < 32 ? RANK / 4 : 32;
+  static constexpr int CHUNKS = RANK / 4 / LANES;  // 16-byte chunks per lane (rank 128: one)
+  static constexpr int ROWS_PER_PASS = THREADS / LANES;
+  static constexpr int PASSES = (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+};
+
+template <int RANK, int ROWS, int TOKENS, int THREADS, int GROUP, typename L = LoraLanes<RANK, ROWS, THREADS>>
+__device__ __forceinline__ void lora_token_group(float (&terms)[TOKENS][ROWS],
+                                                 const float4 (&b4)[L::PASSES][L::CHUNKS], const float* t, int ld_t,
+                                                 float scaling, int first, int tok0, int M) {
+  constexpr int LANES = L::LANES, CHUNKS = L::CHUNKS, ROWS_PER_PASS = L::ROWS_PER_PASS, PASSES = L::PASSES;
+  const int c = threadIdx.x % LANES;
+  float4 t4[GROUP][CHUNKS];
+  #pragma unroll
+  for (int i = 0; i < GROUP; ++i) {
+    const int token = min(tok0 + first + i, M - 1);  // tokens past M repeat a real row, never stored
+    #pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) t4[i][j] = reinterpret_cast<const float4*>(t + (u64)token * ld_t)[c + j * LANES];
+  }
+  #pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    const int r = pass * ROWS_PER_PASS + (int)threadIdx.x / LANES;
+    #pragma unroll
+    for (int i = 0; i < GROUP; ++i) {
+      float sum = 0.0f;
+      #pragma unroll
+      for (int j = 0; j < CHUNKS; ++j) {
+        const float4 a = t4[i][j], w = b4[pass][j];
+        sum = fmaf(a.x, w.x, fmaf(a.y, w.y, fmaf(a.z, w.z, fmaf(a.w, w.w, sum))));
+      }
+      #pragma unroll
+      for (int offset = LANES / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (c == 0 && r < ROWS) terms[first + i][r] = scaling * sum;
+    }
+  }
+}
+
 // The LoRA terms of a CTA's TOKENS x ROWS outputs into terms[token][row] (shared memory), by all THREADS threads.
 // LANES = RANK / 4 lanes (at most 32) share a row: lane c holds the row's 16-byte chunk c of B (one coalesced
-// load: a warp reads 32 / LANES whole rows), multiplies it with chunk c of each token's t row, and the LANES lanes
-// add their sums by shuffles. B is read once per CTA; rows past the segment and missing tokens give zeros (every
-// lane takes part in every shuffle). Passes and groups of 8 tokens are unrolled so that their loads issue together:
-// this runs after the main loop, where its latency is exposed (a loop over tokens, one load at a time, measured
-// 13 us more per 7B gate_up call at 8 rows on the H200; an L2 prefetch of B before the main loop made no difference,
-// and skipping the tokens past M cost 2-7 us at 8-16 rows for 0.5-1 us saved at one row).
+// load: a warp reads 32 / LANES whole rows) and `lora_token_group` multiplies it with the tokens' t rows. B is read
+// once per CTA; rows past the segment give zeros. Passes and groups of 8 tokens are unrolled so that their loads
+// issue together: this runs after the main loop, where its latency is exposed (a loop over tokens, one load at a
+// time, measured 13 us more per 7B gate_up call at 8 rows on the H200; an L2 prefetch of B before the main loop made
+// no difference, and skipping the tokens past M cost 2-7 us at 8-16 rows for 0.5-1 us saved at one row). A CTA with
+// a single token (decode at batch 1: uniform over the CTA, so no divergence) computes that token's terms only.
 template <int RANK, int ROWS, int TOKENS, int THREADS>
 __device__ __forceinline__ void lora_terms(float (&terms)[TOKENS][ROWS], const LoraTerms& lora, int s, int rows,
                                            int row0, int tok0, int M) {
-  constexpr int LANES = RANK / 4 < 32 ? RANK / 4 : 32;
-  constexpr int CHUNKS = RANK / 4 / LANES;  // 16-byte chunks per lane (rank 128: one)
-  constexpr int ROWS_PER_PASS = THREADS / LANES;
-  constexpr int PASSES = (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+  using L = LoraLanes<RANK, ROWS, THREADS>;
+  constexpr int LANES = L::LANES, CHUNKS = L::CHUNKS, ROWS_PER_PASS = L::ROWS_PER_PASS, PASSES = L::PASSES;
   constexpr int GROUP = TOKENS < 8 ? TOKENS : 8;
   const float* b = pick(lora.b, s);
   const float* t = lora.t + pick(lora.t_col, s);
@@ -123,33 +167,13 @@ __device__ __forceinline__ void lora_terms(float (&terms)[TOKENS][ROWS], const L
                         : float4{0.0f, 0.0f, 0.0f, 0.0f};
     }
   }
+  if (NVFP4_LORA_SINGLE_TOKEN && M - tok0 == 1) {
+    lora_token_group<RANK, ROWS, TOKENS, THREADS, 1>(terms, b4, t, lora.ld_t, scaling, 0, tok0, M);
+    return;
+  }
   #pragma unroll 1
   for (int first = 0; first < TOKENS; first += GROUP) {
-    float4 t4[GROUP][CHUNKS];
-    #pragma unroll
-    for (int i = 0; i < GROUP; ++i) {
-      const int token = min(tok0 + first + i, M - 1);  // tokens past M repeat a real row, never stored
-      #pragma unroll
-      for (int j = 0; j < CHUNKS; ++j) {
-        t4[i][j] = reinterpret_cast<const float4*>(t + (u64)token * lora.ld_t)[c + j * LANES];
-      }
-    }
-    #pragma unroll
-    for (int pass = 0; pass < PASSES; ++pass) {
-      const int r = pass * ROWS_PER_PASS + (int)threadIdx.x / LANES;
-      #pragma unroll
-      for (int i = 0; i < GROUP; ++i) {
-        float sum = 0.0f;
-        #pragma unroll
-        for (int j = 0; j < CHUNKS; ++j) {
-          const float4 a = t4[i][j], w = b4[pass][j];
-          sum = fmaf(a.x, w.x, fmaf(a.y, w.y, fmaf(a.z, w.z, fmaf(a.w, w.w, sum))));
-        }
-        #pragma unroll
-        for (int offset = LANES / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        if (c == 0 && r < ROWS) terms[first + i][r] = scaling * sum;
-      }
-    }
+    lora_token_group<RANK, ROWS, TOKENS, THREADS, GROUP>(terms, b4, t, lora.ld_t, scaling, first, tok0, M);
   }
 }
 
