@@ -5,13 +5,18 @@ Per layer the fused step makes three inputs with their shrinks ``t = h @ A.T`` (
 norm with the q/k/v adapters (``qkv``), the post-attention norm with the gate and up adapters (``gate_up``), both
 after a residual add, and SiLU·up with the down adapter (``down``). Columns (µs per call):
 
-* ``inductor``: `torch.compile` of the torch formulas (`fused_shrink`'s references), what the step runs without the
-  fused ops (several launches);
-* ``per row``: the kernels with one program per (row, rank block) (`_fused_shrink_kernel`, below `TILE_FROM_ROWS`);
-* ``tile wN pP``: the tensor-core tile kernels with N warps, aiming at P programs per launch (`TILE_WARPS`,
-  `TILE_PROGRAMS`), for launches of 1 to `TILE_ROWS` rows.
+* ``inductor``: `torch.compile` of the torch formulas alone (`fused_shrink`'s references: add, norm, then the shrink
+  as a matmul), several launches; in the fused step inductor fuses them with the layer's other ops instead, so this
+  column is a standalone reference, not the step's cost without the fused ops (`bench_rollout.py`'s
+  ``+shrink_unfused`` engine measures that);
+* ``fused``: `_fused_shrink_kernel` (one program per row and rank block), with ``--variants``: settings of that
+  module (``NAME=VALUE,...``) timed as more columns in the same run, for drafts of new layouts.
 
-Each arm's ``t`` is checked against float64 (relative error printed); ratios are against ``per row``.
+Each arm's ``t`` is checked against float64 (an error above 1e-5 is printed); the ratio is fused / inductor.
+
+The eighth session's tensor-core tile draft (every row of a launch as one ``[16, 64]`` tile per step, 3xTF32
+``tl.dot``; commit 4bef487) was timed with this script and dropped: 12-20 µs per call against 3-8 µs for the
+per-row kernels (BENCHMARKS.md).
 
 Usage (a CUDA GPU):
     python scripts/bench_fused_shrink.py --model qwen2.5-7b --rows 1 2 4 8 16 --json out.json
@@ -34,6 +39,17 @@ from trl_qerl.rollout.fused_shrink import rms_norm_reference, shrink_reference
 def time_us(call) -> float:
     call()
     return triton.testing.do_bench_cudagraph(call, rep=20, return_mode="median") * 1e3
+
+
+def parse_settings(variant: str) -> dict[str, int]:
+    """``"NAME=VALUE,NAME=VALUE"`` -> integer settings of `_fused_shrink_kernel` (names it does not have are refused)."""
+    values = {}
+    for item in variant.split(","):
+        name, _, value = item.partition("=")
+        if not hasattr(kernel, name) or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--variants: {item!r} is not NAME=INTEGER for a setting of _fused_shrink_kernel")
+        values[name] = int(value)
+    return values
 
 
 @contextmanager
@@ -95,21 +111,18 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-7b", choices=NAMES)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--warps", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--programs", nargs="+", type=int, default=[66, 132, 264])
+    parser.add_argument("--variants", nargs="*", default=[], metavar="SETTINGS",
+                        help="module settings of _fused_shrink_kernel per extra column, e.g. MAX_BLOCK_K=2048")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 64
     config = qwen25_config(args.model)
     device = torch.device("cuda")
-    arms = [("per row", dict(TILE_FROM_ROWS=1 << 30))] + [
-        (f"tile w{w} p{p}", dict(TILE_FROM_ROWS=1, TILE_WARPS=w, TILE_PROGRAMS=p))
-        for w in args.warps for p in args.programs
-    ]  # fmt: skip
+    arms = [("fused", {})] + [(variant, parse_settings(variant)) for variant in args.variants]
     results = []
     print(f"LoRA shrinks of one {args.model} layer, rank {args.rank}, µs per call; {torch.cuda.get_device_name()}")
-    print("| shrink | rows | inductor | " + " | ".join(name for name, _ in arms) + " | best tile / per row |")
+    print("| shrink | rows | inductor | " + " | ".join(name for name, _ in arms) + " | fused / inductor |")
     print("|---|---|---|" + "---|" * len(arms) + "---|")
     for rows in args.rows:
         for name, (fused, reference, columns) in cases(config, rows, args.rank, device).items():
@@ -123,11 +136,10 @@ def main() -> None:
                     error = relative_error(t, exact)
                     row["arms"][arm] = {"us": time_us(lambda t=t: fused(t)), "rel_err": error}
             results.append(row)
-            tiles = [v["us"] for a, v in row["arms"].items() if a.startswith("tile")]
-            per_row = row["arms"]["per row"]["us"]
+            ratio = row["arms"]["fused"]["us"] / row["inductor_us"]
             cells = " | ".join(f"{v['us']:.1f}" + ("" if v["rel_err"] < 1e-5 else f" (err {v['rel_err']:.1e})")
                                for v in row["arms"].values())  # fmt: skip
-            print(f"| {name} | {rows} | {row['inductor_us']:.1f} | {cells} | {min(tiles) / per_row:.2f} |", flush=True)
+            print(f"| {name} | {rows} | {row['inductor_us']:.1f} | {cells} | {ratio:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "rank": args.rank, "device": torch.cuda.get_device_name(),

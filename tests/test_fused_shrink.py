@@ -9,16 +9,9 @@ gives the same logits with and without them.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from _sass import cuobjdump
 
 from trl_qerl.rollout import fused_decode
 from trl_qerl.rollout.fused_shrink import (
@@ -127,116 +120,6 @@ def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
     assert all(b * 4096 <= TILE for b in {rank_block(m, [32], 4096) for m in (1, 8, 16, 64)})
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(2, 200), (8, 1000), (16, 130)], ids=["2x200", "8x1000", "16x130"])
-def test_tile_kernels_take_every_row_of_the_launch(dtype, shape):
-    """From `TILE_FROM_ROWS` rows one program multiplies every row's part with its A tile: adapters of more than
-    one rank block (32) and of a partial one (5, 16 -> masked rank rows), widths that are not multiples of a step."""
-    from trl_qerl.rollout import _fused_shrink_kernel as kernel
-
-    m, k = shape
-    assert kernel.takes_tile(m)
-    x, res, lora_a = _case(m, k, (32, 5, 16), dtype, seed=m)
-    weight = torch.rand(k, device=DEVICE) + 0.5
-    s, h, t = _poisoned(x), _poisoned(x), _poisoned(x, torch.float32, 53)
-    kernel.norm_shrink(x, res, weight, 1e-6, lora_a, s, h, t)
-    assert torch.equal(s, x + res)
-    _assert_rounded_alike(h, rms_norm_reference(x + res, weight, 1e-6))
-    _assert_shrink(t, h, lora_a)
-    h, t = _poisoned(x), _poisoned(x, torch.float32, 53)
-    kernel.norm_shrink(x, None, weight, 1e-6, lora_a, None, h, t)
-    _assert_rounded_alike(h, rms_norm_reference(x, weight, 1e-6))
-    _assert_shrink(t, h, lora_a)
-    fused = _case(m, 2 * k, (), dtype, seed=m + 1)[0]
-    gate, up = fused.split(k, dim=1)
-    y, t = _poisoned(gate), _poisoned(gate, torch.float32, 53)
-    kernel.silu_mul_shrink(gate, up, lora_a, y, t)
-    _assert_rounded_alike(y, F.silu(gate) * up)
-    _assert_shrink(t, y, lora_a)
-
-
-def test_tile_spans_split_rows_into_whole_steps_for_about_one_wave():
-    from trl_qerl.rollout._fused_shrink_kernel import TILE_PROGRAMS, TILE_STEP, tile_spans
-
-    def a(*ranks, width=3584):
-        return [torch.empty(r, width) for r in ranks]
-
-    assert tile_spans(3584, a(32, 32, 32)) == (6, 192)  # 7B q/k/v: 19 spans of 3 steps, 114 programs
-    assert tile_spans(18944, a(32, width=18944)) == (2, 320)  # 7B down: 60 spans of 5 steps
-    assert tile_spans(100, a(8)) == (1, 64)  # one step per span at most: 2 spans
-    for width, ranks in ((3584, (32, 32)), (5120, (64, 64, 64)), (27648, (16,)), (300, (5, 3))):
-        blocks, span = tile_spans(width, a(*ranks, width=width))
-        assert span % TILE_STEP == 0 and blocks == sum(-(-r // 16) for r in ranks)
-        assert blocks * -(-width // span) <= max(TILE_PROGRAMS, blocks)
-
-
-def test_tile_spans_leave_their_counters_at_zero_for_the_next_launch():
-    from trl_qerl.nvfp4.cuda_mma import arrival_counters
-    from trl_qerl.rollout import _fused_shrink_kernel as kernel
-
-    for seed in (0, 1):
-        fused = _case(4, 1400, (), torch.bfloat16, seed=seed)[0]
-        gate, up = fused.split(700, dim=1)
-        lora_a = _case(4, 700, (32,), torch.bfloat16, seed=seed + 10)[2]
-        y, t = _poisoned(gate), _poisoned(gate, torch.float32, 32)
-        kernel.silu_mul_shrink(gate, up, lora_a, y, t)  # 11 spans per rank block
-        _assert_shrink(t, y, lora_a)
-        assert int(arrival_counters(gate.device, 2).abs().sum()) == 0
-
-
-@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
-def test_tile_kernels_need_no_stack_on_hopper(tmp_path):
-    """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter), the tile
-    kernels keep their tiles in registers. A 512-column step spilled 7,960 bytes per thread and took 228 µs per
-    SiLU·up call on the H200 (2026-12-02); `TILE_STEP` is the widest step with no stack."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    result = tmp_path / "resources.json"
-    subprocess.run([sys.executable, __file__, str(result)], check=True, env=env, timeout=600, capture_output=True)
-    resources = json.loads(result.read_text())
-    assert set(resources) == {"silu 1", "silu 4", "norm False 4", "norm True 1", "norm True 4"}
-    for kernel, usage in resources.items():
-        assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
-
-
-def _tile_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
-    """``cuobjdump -res-usage`` of the tile kernels compiled for sm_90 as `_fused_shrink_kernel` launches them."""
-    import triton
-    from _sass import resources_of
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from trl_qerl.rollout import _fused_shrink_kernel as K
-
-    def compile_(fn, arguments, constexprs):
-        signature = {name: kind or "i32" for name, _, kind in (a.partition("=") for a in arguments.split())}
-        signature.update(dict.fromkeys(constexprs, "constexpr"))
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        options = dict(num_warps=K.TILE_WARPS)
-        return resources_of(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"],
-                            folder)  # fmt: skip
-
-    sizes = dict(OUT=triton.language.bfloat16, ROWS=K.TILE_ROWS, BLOCK_R=K.TILE_RANKS, BLOCK_K=K.TILE_STEP)
-    adapters = "a0=*fp32 a1=*fp32 a2=*fp32"
-    results = {}
-    for splits in (1, 4):
-        results[f"silu {splits}"] = compile_(
-            K._silu_mul_shrink_tile_kernel,
-            f"gate_ptr=*bf16 up_ptr=*bf16 {adapters} y_ptr=*bf16 t_ptr=*fp32 partial_ptr=*fp32 count_ptr=*i32 rows "
-            "width span rank0 rank1 rank2 blocks0 blocks1 stride_gate stride_up stride_y stride_t",
-            dict(sizes, SPLITS=splits),
-        )
-    for residual, splits in ((False, 4), (True, 1), (True, 4)):
-        results[f"norm {residual} {splits}"] = compile_(
-            K._norm_shrink_tile_kernel,
-            f"x_ptr=*bf16 res_ptr=*bf16 w_ptr=*fp32 {adapters} s_ptr=*bf16 h_ptr=*bf16 t_ptr=*fp32 partial_ptr=*fp32 "
-            "count_ptr=*i32 rows width span rank0 rank1 rank2 blocks0 blocks1 eps=fp32 stride_x stride_res stride_s "
-            "stride_h stride_t",
-            dict(sizes, HAS_RESIDUAL=residual, NORM_K=K.TILE_NORM_STEP, SPLITS=splits),
-        )
-    return results
-
-
 def test_ops_pass_opcheck():
     x, res, lora_a = _case(2, 64, (8, 4), torch.bfloat16)
     weight = torch.rand(64, device=DEVICE)
@@ -319,7 +202,3 @@ def test_steps_above_the_row_limit_leave_the_shrinks_to_the_projections():
         assert (hidden is not None) == fused
         assert torch.equal(summed, x + x)
         assert torch.equal(h, fused_decode.rms_norm(x + x, layer.post_attention_norm))
-
-
-if __name__ == "__main__":  # the compiling subprocess: python test_fused_shrink.py <results.json>
-    Path(sys.argv[1]).write_text(json.dumps(_tile_kernel_resources(Path(sys.argv[1]).parent)))

@@ -3,15 +3,6 @@
 Each program takes one row and ``BLOCK_R`` rows of the concatenated LoRA A matrices (all in one adapter: ``BLOCK_R``
 divides every rank). It recomputes the row's elementwise part (cheap: the row is a few KB, read from L2), stores it
 only from the programs of the first rank block, and reduces ``part · A[j]`` over the row in fp32.
-
-From `TILE_FROM_ROWS` rows a second pair of kernels takes every row of the launch at once (at most `TILE_ROWS`, the
-rest masked): each program owns `TILE_RANKS` rows of one A matrix and one span of columns, and walks the span in
-steps of `TILE_STEP` columns, making the rows' elementwise part of the step as a ``[TILE_ROWS, TILE_STEP]`` tile and
-multiplying it with the step's A tile on the tensor cores in 3xTF32 (``input_precision="tf32x3"``: fp32-accurate to
-~1e-6; the bf16 parts are exact in TF32), accumulating in registers. So A is read once per launch, not once per row.
-The spans' partial sums go to scratch and the last program of a rank block to arrive adds them in span order.
-Measured on the H200 (7B, 2026-12-02): one 512-column step per program spilled (7,960 bytes of stack per thread,
-228 µs per SiLU·up call); 64-column steps need no stack (checked offline, `tests/test_fused_shrink.py`).
 """
 
 from __future__ import annotations
@@ -36,20 +27,6 @@ TARGET_PROGRAMS = 264
 MIN_SPAN = 1024
 """Fewest columns per split program of `silu_mul_shrink`."""
 SPAN_ALIGN = 256
-TILE_ROWS = 16
-"""Rows of the tile kernels' launches (the tensor cores' smallest M): fewer are masked, more are refused."""
-TILE_RANKS = 16
-"""A rows per tile-kernel program (the tensor cores' smallest N); a rank that is not a multiple masks its last block."""
-TILE_STEP = 64
-"""Columns per step of the tile kernels: the widest with no stack (compiled for sm_90: 512 spills 7,960 bytes)."""
-TILE_NORM_STEP = 128
-"""Columns per step of the tile norm's statistics pass over whole rows."""
-TILE_FROM_ROWS = 2
-"""Launches of this many rows and more take the tile kernels (fewer: one program per row and rank block)."""
-TILE_PROGRAMS = 132
-"""Programs a tile-kernel launch aims at (one wave of a 132-multiprocessor GPU): rank blocks x spans."""
-TILE_WARPS = 4
-"""Warps per tile-kernel program."""
 
 
 @triton.jit
@@ -163,124 +140,6 @@ def _silu_mul_shrink_kernel(
             tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
-def _tile_adapter(a0, a1, a2, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R: tl.constexpr):
-    """This program's rank block of the concatenated A matrices (each rank counted in blocks of BLOCK_R, the last
-    one masked): (pointer to its first row, how many of its BLOCK_R rows exist, its first column in ``t``)."""
-    block = tl.program_id(0)
-    if block < blocks0:
-        local = block * BLOCK_R
-        base, valid, column = a0 + local * width, rank0 - local, local
-    elif block < blocks0 + blocks1:
-        local = (block - blocks0) * BLOCK_R
-        base, valid, column = a1 + local * width, rank1 - local, rank0 + local
-    else:
-        local = (block - blocks0 - blocks1) * BLOCK_R
-        base, valid, column = a2 + local * width, rank2 - local, rank0 + rank1 + local
-    return base, valid, column
-
-
-@triton.jit
-def _tile_a(base, valid, width, offsets, inside, BLOCK_R: tl.constexpr):
-    """The ``[BLOCK_R, columns]`` A tile of one step (rows past the adapter's rank read as zeros)."""
-    ranks = tl.arange(0, BLOCK_R)
-    mask = (ranks < valid)[:, None] & inside[None, :]
-    return tl.load(base + ranks[:, None] * width + offsets[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _tile_finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid,
-                 ROWS: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
-    """Store ``acc[ROWS, BLOCK_R]`` into ``t``, or leave it as this span's partial and, in the last program of the
-    rank block to arrive, add the partials in span order into ``t`` (the same sum on every launch) and reset the
-    counter (graph replays need no memset)."""
-    row_ids = tl.arange(0, ROWS)
-    ranks = tl.arange(0, BLOCK_R)
-    targets = t_ptr + row_ids[:, None] * stride_t + column + ranks[None, :]
-    live = (row_ids < rows)[:, None] & (ranks < valid)[None, :]
-    if SPLITS == 1:
-        tl.store(targets, acc, mask=live)
-    else:
-        block = tl.program_id(0)
-        tile = row_ids[:, None] * BLOCK_R + ranks[None, :]
-        tl.store(partial_ptr + (block * SPLITS + tl.program_id(1)) * ROWS * BLOCK_R + tile, acc)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            total = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-            for split in range(SPLITS):
-                total += tl.load(partial_ptr + (block * SPLITS + split) * ROWS * BLOCK_R + tile, cache_modifier=".cg")
-            tl.store(targets, total, mask=live)
-            tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _norm_shrink_tile_kernel(
-    x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr, partial_ptr, count_ptr,
-    rows, width, span, rank0, rank1, rank2, blocks0, blocks1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
-    HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, NORM_K: tl.constexpr, SPLITS: tl.constexpr,
-):  # fmt: skip
-    row_ids = tl.arange(0, ROWS)
-    live = row_ids < rows
-    x_rows, res_rows = x_ptr + row_ids[:, None] * stride_x, res_ptr + row_ids[:, None] * stride_res
-    # the rows' inverse RMS over their whole width (torch.rsqrt, as the eager and inductor norms)
-    squares = tl.zeros([ROWS, NORM_K], dtype=tl.float32)
-    for start in range(0, width, NORM_K):
-        columns = (start + tl.arange(0, NORM_K))[None, :]
-        x = _norm_input(x_rows, res_rows, columns, live[:, None] & (columns < width), HAS_RESIDUAL, OUT)
-        squares += x * x
-    inverse = tl.rsqrt(tl.sum(squares, axis=1) / width + eps)
-    first_block = tl.program_id(0) == 0
-    base, valid, column = _tile_adapter(a0, a1, a2, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R)
-    low = tl.program_id(1) * span
-    high = tl.minimum(low + span, width)
-    acc = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-    for start in range(low, high, BLOCK_K):
-        offsets = start + tl.arange(0, BLOCK_K)
-        inside = offsets < high
-        mask = live[:, None] & inside[None, :]
-        x = _norm_input(x_rows, res_rows, offsets[None, :], mask, HAS_RESIDUAL, OUT)
-        if HAS_RESIDUAL and first_block:
-            tl.store(s_ptr + row_ids[:, None] * stride_s + offsets[None, :], x.to(OUT), mask=mask)  # a rounded sum
-        weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        h = _round(weight[None, :] * _round(x * inverse[:, None], OUT).to(tl.float32), OUT)
-        if first_block:  # the first rank block's programs write the elementwise part
-            tl.store(h_ptr + row_ids[:, None] * stride_h + offsets[None, :], h, mask=mask)
-        a = _tile_a(base, valid, width, offsets, inside, BLOCK_R)
-        acc = tl.dot(h.to(tl.float32), tl.trans(a), acc, input_precision="tf32x3")
-    _tile_finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid, ROWS, BLOCK_R, SPLITS)
-
-
-@triton.jit
-def _silu_mul_shrink_tile_kernel(
-    gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
-    rows, width, span, rank0, rank1, rank2, blocks0, blocks1, stride_gate, stride_up, stride_y, stride_t,
-    OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-):  # fmt: skip
-    row_ids = tl.arange(0, ROWS)
-    live = row_ids < rows
-    first_block = tl.program_id(0) == 0
-    base, valid, column = _tile_adapter(a0, a1, a2, width, rank0, rank1, rank2, blocks0, blocks1, BLOCK_R)
-    low = tl.program_id(1) * span
-    high = tl.minimum(low + span, width)
-    acc = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-    for start in range(low, high, BLOCK_K):
-        offsets = start + tl.arange(0, BLOCK_K)
-        inside = offsets < high
-        mask = live[:, None] & inside[None, :]
-        gate = tl.load(gate_ptr + row_ids[:, None] * stride_gate + offsets[None, :], mask=mask, other=0.0)
-        up = tl.load(up_ptr + row_ids[:, None] * stride_up + offsets[None, :], mask=mask, other=0.0)
-        gate = gate.to(tl.float32)
-        activated = _round(gate / (1.0 + tl.exp(-gate)), OUT).to(tl.float32)
-        y = _round(activated * up.to(tl.float32), OUT)
-        if first_block:
-            tl.store(y_ptr + row_ids[:, None] * stride_y + offsets[None, :], y, mask=mask)
-        a = _tile_a(base, valid, width, offsets, inside, BLOCK_R)
-        acc = tl.dot(y.to(tl.float32), tl.trans(a), acc, input_precision="tf32x3")
-    _tile_finish(acc, t_ptr, partial_ptr, count_ptr, rows, stride_t, column, valid, ROWS, BLOCK_R, SPLITS)
-
-
 def block_k(width: int) -> int:
     return min(triton.next_power_of_2(width), MAX_BLOCK_K)
 
@@ -306,51 +165,15 @@ def _adapter_args(lora_a: list[torch.Tensor]) -> tuple:
     return padded, ranks[0], ranks[1]
 
 
-def takes_tile(rows: int) -> bool:
-    """Whether a launch of ``rows`` rows takes the tile kernels (`TILE_FROM_ROWS` to `TILE_ROWS` rows)."""
-    return TILE_FROM_ROWS <= rows <= TILE_ROWS
-
-
-def tile_spans(width: int, lora_a: list[torch.Tensor]) -> tuple[int, int]:
-    """(rank blocks, columns per span) of a tile launch: spans of whole steps, as many as keep the launch at about
-    `TILE_PROGRAMS` programs (at least one step each)."""
-    blocks = sum(triton.cdiv(a.shape[0], TILE_RANKS) for a in lora_a)
-    steps = triton.cdiv(width, TILE_STEP)
-    splits = max(1, min(steps, TILE_PROGRAMS // blocks))
-    return blocks, triton.cdiv(steps, splits) * TILE_STEP
-
-
-def _tile_args(width: int, lora_a: list[torch.Tensor], t: torch.Tensor) -> tuple:
-    """(grid, A matrices, their ranks and the first two's block counts, scratch partials, counters, constexprs)."""
-    blocks, span = tile_spans(width, lora_a)
-    splits = triton.cdiv(width, span)
-    ranks = [a.shape[0] for a in lora_a] + [0] * (3 - len(lora_a))
-    counts = [triton.cdiv(r, TILE_RANKS) for r in ranks]
-    matrices = list(lora_a) + [lora_a[0]] * (3 - len(lora_a))
-    partials = t.new_empty(blocks * splits * TILE_ROWS * TILE_RANKS) if splits > 1 else t
-    counters = arrival_counters(t.device, blocks) if splits > 1 else t
-    meta = dict(ROWS=TILE_ROWS, BLOCK_R=TILE_RANKS, BLOCK_K=TILE_STEP, SPLITS=splits, num_warps=TILE_WARPS)
-    return (blocks, splits), matrices, (span, *ranks, counts[0], counts[1]), partials, counters, meta
-
-
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
-    has_residual = residual is not None
-    residual = residual if has_residual else x
-    s = s if has_residual else h
-    if takes_tile(rows):
-        grid, matrices, sizes, partials, counters, meta = _tile_args(width, lora_a, t)
-        _norm_shrink_tile_kernel[grid](
-            x, residual, weight, *matrices, s, h, t, partials, counters, rows, width, *sizes, eps,
-            x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
-            HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], NORM_K=min(triton.next_power_of_2(width), TILE_NORM_STEP),
-            **meta,
-        )  # fmt: skip
-        return
     columns = block_k(width)
     block = rank_block(rows, [a.shape[0] for a in lora_a], columns)
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
+    has_residual = residual is not None
+    residual = residual if has_residual else x
+    s = s if has_residual else h
     grid = (rows, t.shape[1] // block)
     _norm_shrink_kernel[grid](
         x, residual, weight, a0, a1, a2, s, h, t, width, rank0, rank1, eps,
@@ -363,13 +186,6 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
     """Fill ``y = silu(gate) * up`` and ``t`` (see `fused_shrink`). Few (row, rank block) programs split the row
     (7B down at one row: 32 programs of 18,944 columns each would be chains of dependent loads)."""
     rows, width = gate.shape
-    if takes_tile(rows):
-        grid, matrices, sizes, partials, counters, meta = _tile_args(width, lora_a, t)
-        _silu_mul_shrink_tile_kernel[grid](
-            gate, up, *matrices, y, t, partials, counters, rows, width, *sizes,
-            gate.stride(0), up.stride(0), y.stride(0), t.stride(0), OUT=_DTYPES[y.dtype], **meta,
-        )  # fmt: skip
-        return
     block = rank_block(rows, [a.shape[0] for a in lora_a], block_k(width))
     blocks = t.shape[1] // block
     splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, rows * blocks), triton.cdiv(width, MIN_SPAN)))
