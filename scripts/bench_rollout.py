@@ -83,6 +83,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+compact": dict(engine="fused", compile=True, decode_attention="sdpa", compact_finished=True),
            "fused+compile+split_kv+lora_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+shrink_unfused": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+split_kv+shrink_per_row": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+alt_choices": dict(engine="fused", compile=True, **_SPLIT),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
@@ -93,7 +94,9 @@ captures and runs). ``+compact``: rows still decoding move to a smaller step onc
 expanded by their own kernels instead of the NVFP4 kernel's epilogue (`fused_decode.LORA_EPILOGUE` False while that
 engine compiles and captures; the default engines above add them in the epilogue). ``+shrink_unfused``: the LoRA
 shrinks left to inductor, each a reduction of its own, instead of made with their input in one launch
-(`fused_decode.FUSED_SHRINK` False while that engine compiles and captures). ``+alt_choices``: the NVFP4 kernel
+(`fused_decode.FUSED_SHRINK` False while that engine compiles and captures). ``+shrink_per_row``: the fused shrinks
+of the seventh session (one program per row and rank block, up to 8 rows; `_fused_shrink_kernel.ROWS_FROM` and
+`fused_decode.FUSED_SHRINK_ROWS` set back while that engine compiles, captures and runs). ``+alt_choices``: the NVFP4 kernel
 choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones for the keys
 they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process."""
 
@@ -102,9 +105,12 @@ they hold while that engine compiles, captures and runs: an A/B of two choice ta
 def engine_environment(engine: str, alt_choices: str | None = None):
     """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
     ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
-    ones (read when a layer compiles), the table ``alt_choices`` over the kernel choices for the ``+alt_choices`` ones
+    ones (read when a layer compiles), per-row shrinks for the ``+shrink_per_row`` ones, the table ``alt_choices`` over the kernel choices for the ``+alt_choices`` ones
     (read at each uncaptured call; captured graphs keep the launch); else unchanged."""
+    from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
+
     pdl, epilogue, shrink = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK
+    shrink_rows, rows_from = fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM
     alternative = engine.endswith("+alt_choices")
     shipped = dict(kernels.CHOOSER.choices) if alternative else None
     if pdl:
@@ -115,12 +121,15 @@ def engine_environment(engine: str, alt_choices: str | None = None):
         kernels.CHOOSER.load(alt_choices)
     fused_decode.LORA_EPILOGUE = epilogue and not engine.endswith("+lora_unfused")
     fused_decode.FUSED_SHRINK = shrink and not engine.endswith("+shrink_unfused")
+    if engine.endswith("+shrink_per_row"):
+        fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     try:
         yield
     finally:
         if pdl:
             os.environ.pop("NVFP4_PDL", None)
         fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink
+        fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
         if alternative:
             kernels.CHOOSER.choices.clear()
             kernels.CHOOSER.choices.update(shipped)
