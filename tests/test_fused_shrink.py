@@ -129,25 +129,15 @@ def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 200), (5, 3000), (16, 1100)], ids=["2x200", "5x3000", "16x1100"])
-def test_row_kernels_take_every_row_of_the_launch(dtype, shape):
-    """From `ROWS_FROM` rows each program takes every row (padded to a power of two: 5 -> 8): one to three adapters,
-    rank blocks of 8 / 2 / 1 rows (ranks 16, 8, 24; 6, 2; 5), widths that are not multiples of a step, spans."""
+def test_silu_mul_row_kernel_takes_every_row_of_the_launch(dtype, shape):
+    """From `ROWS_FROM` rows each SiLU·up program takes every row (padded to a power of two: 5 -> 8): one to three
+    adapters, rank blocks of 8 / 2 / 1 rows (ranks 16, 8, 24; 6, 2; 5), widths that are not multiples of a step."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     m, k = shape
     assert kernel.takes_rows(m)
     for ranks in ((16, 8, 24), (6, 2), (5,)):
-        x, res, lora_a = _case(m, k, ranks, dtype, seed=m)
-        weight = torch.rand(k, device=DEVICE) + 0.5
-        s, h, t = _poisoned(x), _poisoned(x), _poisoned(x, torch.float32, sum(ranks))
-        kernel.norm_shrink(x, res, weight, 1e-6, lora_a, s, h, t)
-        assert torch.equal(s, x + res)
-        _assert_rounded_alike(h, rms_norm_reference(x + res, weight, 1e-6))
-        _assert_shrink(t, h, lora_a)
-        h, t = _poisoned(x), _poisoned(x, torch.float32, sum(ranks))
-        kernel.norm_shrink(x, None, weight, 1e-6, lora_a, None, h, t)
-        _assert_rounded_alike(h, rms_norm_reference(x, weight, 1e-6))
-        _assert_shrink(t, h, lora_a)
+        lora_a = _case(m, k, ranks, dtype, seed=m)[2]
         gate, up = _case(m, 2 * k, (), dtype, seed=m + 1)[0].split(k, dim=1)
         y, t = _poisoned(gate), _poisoned(gate, torch.float32, sum(ranks))
         kernel.silu_mul_shrink(gate, up, lora_a, y, t)
@@ -158,15 +148,14 @@ def test_row_kernels_take_every_row_of_the_launch(dtype, shape):
 def test_row_layout_fits_the_registers_and_spans_whole_steps():
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
-    assert kernel.rows_layout(8, 3584, [32, 32, 32], 132) == (8, 2, 1024, 2048)  # 7B q/k/v: 48 x 2 programs
-    assert kernel.rows_layout(8, 18944, [32], 264) == (8, 2, 1024, 2048)  # 7B down: 16 x 10
-    assert kernel.rows_layout(3, 18944, [32], 264) == (4, 4, 1024, 1024)  # 8 x 19, one step each
-    assert kernel.rows_layout(16, 3584, [32, 32], 132) == (16, 2, 512, 1024)  # 32 x 4
-    assert kernel.rows_layout(8, 3584, [32, 32, 32], 132, registers=32) == (8, 2, 512, 2048)  # the norms: 48 x 2
-    assert kernel.rows_layout(2, 200, [5, 3], 132) == (2, 1, 256, 256)
+    assert kernel.ROWS_WARPS == 4 and kernel.ROWS_REGISTERS == 64 and kernel.ROWS_PROGRAMS == 264
+    assert kernel.rows_layout(8, 18944, [32]) == (8, 2, 512, 1536)  # 7B down: 16 rank blocks x 13 spans
+    assert kernel.rows_layout(16, 18944, [32]) == (16, 2, 256, 1280)  # 16 x 15
+    assert kernel.rows_layout(3, 18944, [32]) == (4, 2, 1024, 2048)  # 16 x 10
+    assert kernel.rows_layout(2, 200, [5, 3]) == (2, 1, 256, 256)
     budget = kernel.ROWS_REGISTERS * 32 * kernel.ROWS_WARPS
     for rows, width, ranks in ((2, 3584, [64, 64]), (16, 27648, [16]), (9, 5120, [8, 8, 8]), (4, 100, [6])):
-        padded, block, columns, span = kernel.rows_layout(rows, width, ranks, 264)
+        padded, block, columns, span = kernel.rows_layout(rows, width, ranks)
         assert padded >= rows and padded * block * columns <= budget and all(r % block == 0 for r in ranks)
         assert padded * columns <= budget // 2
         assert span % columns == 0
@@ -187,8 +176,8 @@ def test_row_spans_leave_their_counters_at_zero_for_the_next_launch():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 def test_row_kernels_need_no_stack_on_hopper(tmp_path):
-    """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at their
-    largest register tiles, the ``_rows`` kernels keep their accumulators in registers (a spilling draft of the
+    """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
+    largest register tiles, the SiLU·up ``_rows`` kernel keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -198,14 +187,14 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     resources = json.loads(result.read_text())
-    assert len(resources) == 6
+    assert len(resources) == 3
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
 
 def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
-    """``cuobjdump -res-usage`` of the ``_rows`` kernels compiled for sm_90 as `_fused_shrink_kernel` launches them
-    at 16 and 8 rows (7B widths), with and without spans."""
+    """``cuobjdump -res-usage`` of the SiLU·up ``_rows`` kernel compiled for sm_90 as `_fused_shrink_kernel` launches
+    it at 16 and 8 rows (7B width), with and without spans."""
     import triton
     from _sass import resources_of
     from triton.backends.compiler import GPUTarget
@@ -213,32 +202,19 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
 
     from trl_qerl.rollout import _fused_shrink_kernel as K
 
-    def compile_(fn, arguments, constexprs):
+    arguments = (
+        "gate_ptr=*bf16 up_ptr=*bf16 a0=*fp32 a1=*fp32 a2=*fp32 y_ptr=*bf16 t_ptr=*fp32 partial_ptr=*fp32 "
+        "count_ptr=*i32 rows width span rank0 rank1 stride_gate stride_up stride_y stride_t"
+    )
+    results = {}
+    for rows, splits in ((16, 2), (8, 1), (8, 4)):
+        padded, block, columns, _ = K.rows_layout(rows, 18944, [32])
+        constexprs = dict(OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits)
         signature = {name: kind or "i32" for name, _, kind in (a.partition("=") for a in arguments.split())}
         signature.update(dict.fromkeys(constexprs, "constexpr"))
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        source = ASTSource(fn=K._silu_mul_shrink_rows_kernel, signature=signature, constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.ROWS_WARPS))
-        return resources_of(compiled.asm["cubin"], folder)
-
-    results = {}
-    adapters = "a0=*fp32 a1=*fp32 a2=*fp32"
-    for rows, splits in ((16, 2), (8, 1), (8, 4)):
-        padded, block, columns, _ = K.rows_layout(rows, 18944, [32], K.ROWS_PROGRAMS)
-        sizes = dict(OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits)
-        results[f"silu {rows} {splits}"] = compile_(
-            K._silu_mul_shrink_rows_kernel,
-            f"gate_ptr=*bf16 up_ptr=*bf16 {adapters} y_ptr=*bf16 t_ptr=*fp32 partial_ptr=*fp32 count_ptr=*i32 rows "
-            "width span rank0 rank1 stride_gate stride_up stride_y stride_t",
-            sizes,
-        )
-        padded, block, columns, _ = K.rows_layout(rows, 3584, [32], K.ROWS_PROGRAMS, K.ROWS_NORM_REGISTERS)
-        sizes = dict(OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits)
-        results[f"norm {rows} {splits}"] = compile_(
-            K._norm_shrink_rows_kernel,
-            f"x_ptr=*bf16 res_ptr=*bf16 w_ptr=*fp32 {adapters} s_ptr=*bf16 h_ptr=*bf16 t_ptr=*fp32 partial_ptr=*fp32 "
-            "count_ptr=*i32 rows width span rank0 rank1 eps=fp32 stride_x stride_res stride_s stride_h stride_t",
-            dict(sizes, HAS_RESIDUAL=True),
-        )
+        results[f"silu {rows} {splits}"] = resources_of(compiled.asm["cubin"], folder)
     return results
 
 

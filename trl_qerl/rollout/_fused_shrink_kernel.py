@@ -4,14 +4,19 @@ Each program takes one row and ``BLOCK_R`` rows of the concatenated LoRA A matri
 divides every rank). It recomputes the row's elementwise part (cheap: the row is a few KB, read from L2), stores it
 only from the programs of the first rank block, and reduces ``part · A[j]`` over the row in fp32.
 
-From `ROWS_FROM` rows, the ``_rows`` kernels take every row of the launch in each program (``ROWS``, a power of two,
-the rest masked), ``BLOCK_R`` A rows and one span of columns: per step they load the A tile once for all rows and
-accumulate ``part[m, k] * A[j, k]`` elementwise into a ``[ROWS, BLOCK_R, BLOCK_K]`` register tile (independent FMAs),
-reducing over the columns once, at the end of the span. The spans' ``[ROWS, BLOCK_R]`` partials go to scratch and the
-last program of a rank block to arrive adds them in span order (the same sum on every launch) and resets its counter.
-Measured on the H200 (7B, 2026-12-02; `scripts/bench_fused_shrink.py`): one program per row re-reads A per row (at 8
-rows SiLU·up 11.5 µs per call against 4.7 at one row); a draft that multiplied ``[16, 64]`` tiles on the tensor cores
-(3xTF32 ``tl.dot``) took 12-20 µs at 1-16 rows (not profiled; each step's MMAs chain on one accumulator).
+For SiLU·up launches of `ROWS_FROM` rows and more, `_silu_mul_shrink_rows_kernel` takes every row of the launch in
+each program (``ROWS``, a power of two, the rest masked), ``BLOCK_R`` A rows and one span of columns: per step it
+loads the A tile once for all rows and accumulates ``y[m, k] * A[j, k]`` elementwise into a ``[ROWS, BLOCK_R,
+BLOCK_K]`` register tile (independent FMAs), reducing over the columns once, at the end of the span. The spans'
+``[ROWS, BLOCK_R]`` partials go to scratch and the last program of a rank block to arrive adds them in span order (the
+same sum on every launch) and resets its counter.
+
+Measured on the H200 (7B, rank 32, 2026-12-02; `scripts/bench_fused_shrink.py`, raw data in
+`benchmarks/fused_decode/row_shrink_2026-12-02/`), µs per call: SiLU·up (18,944 long, one program per row re-reads A
+per row) 4.9 / 7.2 / 11.4 / 16.4 per row at 2 / 4 / 8 / 16 rows, 4.3 / 6.2 / 7.8 / 11.3 over every row. The norms
+(3,584 long) stay per row: a norm kernel over every row, whose programs each read all rows' whole width once more for
+the statistics, took 5.0-17.1 µs at 2-16 rows against 3.1-8.2. A draft that multiplied ``[16, 64]`` tiles on the
+tensor cores (3xTF32 ``tl.dot``, commit 4bef487) took 12-20 µs at 1-16 rows (not profiled).
 """
 
 from __future__ import annotations
@@ -42,15 +47,12 @@ ROWS_MAX = 16
 """Most rows the ``_rows`` kernels take (``ROWS`` is unrolled into registers); more take the per-row kernels."""
 ROWS_BLOCK_K = 1024
 """Columns per step of the ``_rows`` kernels."""
-ROWS_WARPS = 8
+ROWS_WARPS = 4
+"""Measured on the H200 (7B SiLU·up, 2026-12-02): 4 warps 7.8 / 11.3 µs at 8 / 16 rows, 8 warps 11.3 / 16.6."""
 ROWS_REGISTERS = 64
 """Bound on the accumulator's registers per thread: ``ROWS x BLOCK_R x BLOCK_K / (32 x ROWS_WARPS)``."""
-ROWS_NORM_REGISTERS = 32
-"""The same bound for the norms, which hold more tiles live (input, residual, weight; at 16 rows 64 spilled)."""
 ROWS_PROGRAMS = 264
-"""Programs a ``_rows`` launch aims at (rank blocks x spans), SiLU·up."""
-ROWS_NORM_PROGRAMS = 132
-"""The same for the norms, whose programs each read their rows' whole width once more for the statistics."""
+"""Programs a ``_rows`` launch aims at (rank blocks x spans)."""
 
 
 @triton.jit
@@ -190,45 +192,6 @@ def _rows_finish(part, t_ptr, partial_ptr, count_ptr, rows, stride_t, first,
 
 
 @triton.jit
-def _norm_shrink_rows_kernel(
-    x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr, partial_ptr, count_ptr,
-    rows, width, span, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
-    HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-):  # fmt: skip
-    row_ids = tl.arange(0, ROWS)
-    live = row_ids < rows
-    x_rows, res_rows = x_ptr + row_ids[:, None] * stride_x, res_ptr + row_ids[:, None] * stride_res
-    # the rows' inverse RMS over their whole width (torch.rsqrt, as the eager and inductor norms)
-    squares = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-    for start in range(0, width, BLOCK_K):
-        offsets = (start + tl.arange(0, BLOCK_K))[None, :]
-        x = _norm_input(x_rows, res_rows, offsets, live[:, None] & (offsets < width), HAS_RESIDUAL, OUT)
-        squares += x * x
-    inverse = tl.rsqrt(tl.sum(squares, axis=1) / width + eps)
-    first = tl.program_id(0) * BLOCK_R
-    base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
-    ranks = tl.arange(0, BLOCK_R)
-    low = tl.program_id(1) * span
-    high = tl.minimum(low + span, width)
-    acc = tl.zeros([ROWS, BLOCK_R, BLOCK_K], dtype=tl.float32)
-    for start in range(low, high, BLOCK_K):
-        offsets = start + tl.arange(0, BLOCK_K)
-        inside = offsets < high
-        mask = live[:, None] & inside[None, :]
-        x = _norm_input(x_rows, res_rows, offsets[None, :], mask, HAS_RESIDUAL, OUT)
-        if HAS_RESIDUAL and tl.program_id(0) == 0:
-            tl.store(s_ptr + row_ids[:, None] * stride_s + offsets[None, :], x.to(OUT), mask=mask)  # a rounded sum
-        weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        h = _round(weight[None, :] * _round(x * inverse[:, None], OUT).to(tl.float32), OUT)
-        if tl.program_id(0) == 0:  # the first rank block's programs write the elementwise part
-            tl.store(h_ptr + row_ids[:, None] * stride_h + offsets[None, :], h, mask=mask)
-        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
-        acc += h.to(tl.float32)[:, None, :] * a[None, :, :]
-    _rows_finish(tl.sum(acc, axis=2), t_ptr, partial_ptr, count_ptr, rows, stride_t, first, ROWS, BLOCK_R, SPLITS)
-
-
-@triton.jit
 def _silu_mul_shrink_rows_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
     rows, width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
@@ -288,15 +251,13 @@ def takes_rows(rows: int) -> bool:
     return ROWS_FROM <= rows <= ROWS_MAX
 
 
-def rows_layout(
-    rows: int, width: int, ranks: list[int], programs: int, registers: int = ROWS_REGISTERS
-) -> tuple[int, int, int, int]:
+def rows_layout(rows: int, width: int, ranks: list[int], programs: int = ROWS_PROGRAMS) -> tuple[int, int, int, int]:
     """(ROWS, BLOCK_R, BLOCK_K, span) of a ``_rows`` launch: steps whose ``[ROWS, BLOCK_K]`` input tile takes at most
-    half of ``registers`` per thread (16 rows of 1,024 columns spilled on sm_90), the widest rank block (of 8, 4, 2, 1)
-    that divides every rank and keeps the accumulator within ``registers``, and spans of whole steps, as many as keep
+    half of `ROWS_REGISTERS` per thread (16 rows of 1,024 columns spilled on sm_90), the widest rank block (of 8, 4, 2,
+    1) that divides every rank and keeps the accumulator within `ROWS_REGISTERS`, and spans of whole steps, as many as keep
     the launch at about ``programs`` programs."""
     padded = triton.next_power_of_2(rows)
-    budget = registers * 32 * ROWS_WARPS
+    budget = ROWS_REGISTERS * 32 * ROWS_WARPS
     columns = min(ROWS_BLOCK_K, triton.next_power_of_2(width), budget // 2 // padded)
     block = next(
         b for b in (8, 4, 2, 1) if b == 1 or (padded * b * columns <= budget and all(r % b == 0 for r in ranks))
@@ -306,9 +267,9 @@ def rows_layout(
     return padded, block, columns, triton.cdiv(steps, splits) * columns
 
 
-def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tensor, programs: int, registers: int):
+def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tensor) -> tuple:
     """(grid, span, scratch partials, counters, constexprs) of a ``_rows`` launch."""
-    padded, block, columns, span = rows_layout(rows, width, [a.shape[0] for a in lora_a], programs, registers)
+    padded, block, columns, span = rows_layout(rows, width, [a.shape[0] for a in lora_a])
     blocks, splits = t.shape[1] // block, triton.cdiv(width, span)
     partials = t.new_empty(blocks * splits * padded * block) if splits > 1 else t
     counters = arrival_counters(t.device, blocks) if splits > 1 else t
@@ -323,16 +284,6 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     has_residual = residual is not None
     residual = residual if has_residual else x
     s = s if has_residual else h
-    if takes_rows(rows):
-        grid, span, partials, counters, meta = _rows_args(
-            rows, width, lora_a, t, ROWS_NORM_PROGRAMS, ROWS_NORM_REGISTERS
-        )
-        _norm_shrink_rows_kernel[grid](
-            x, residual, weight, a0, a1, a2, s, h, t, partials, counters, rows, width, span, rank0, rank1, eps,
-            x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
-            HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], **meta,
-        )  # fmt: skip
-        return
     columns = block_k(width)
     block = rank_block(rows, [a.shape[0] for a in lora_a], columns)
     grid = (rows, t.shape[1] // block)
@@ -349,7 +300,7 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
     rows, width = gate.shape
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     if takes_rows(rows):
-        grid, span, partials, counters, meta = _rows_args(rows, width, lora_a, t, ROWS_PROGRAMS, ROWS_REGISTERS)
+        grid, span, partials, counters, meta = _rows_args(rows, width, lora_a, t)
         _silu_mul_shrink_rows_kernel[grid](
             gate, up, a0, a1, a2, y, t, partials, counters, rows, width, span, rank0, rank1,
             gate.stride(0), up.stride(0), y.stride(0), t.stride(0), OUT=_DTYPES[y.dtype], **meta,

@@ -98,11 +98,13 @@ norm with the q/k/v shrinks, the residual add and post-attention norm with the g
 shrink) instead of inductor's separate kernels. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s
 ``+shrink_unfused`` engine)."""
 
-FUSED_SHRINK_ROWS = 16
+FUSED_SHRINK_ROWS = 8
 """Measured on the H200 (7B, NVFP4 + LoRA r32 + AQN, 256 + 256 tokens, 2026-12-02): 385 instead of 497 kernels per
 step, and no step-time change beyond the run-to-run spread up to 8 rows (batch 1 3.77 / 3.81 / 3.60 ms against
-3.78 / 3.82 / 3.73 without; batch 8 4.12 / 4.16 / 4.36 against 4.44 / 4.16 / 4.14), but batch 16 5.58 against 5.39:
-one program per row re-reads each A row, so from 16 rows the SiLU·up shrink costs more than inductor's reductions."""
+3.78 / 3.82 / 3.73 without; batch 8 4.12 / 4.16 / 4.36 against 4.44 / 4.16 / 4.14), but batch 16 5.58 against 5.39.
+Again with the SiLU·up shrink over every row (`_fused_shrink_kernel.ROWS_FROM`; eighth session, engines interleaved in
+one process): batch 8 3.97 / 4.00 ms against 4.07 / 4.09 with the per-row kernels, batch 16 with the fused shrinks
+5.40 / 5.42 against 5.33 / 5.34 with inductor's: the norms' per-row kernels still lose at 16 rows."""
 
 
 def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list[torch.Tensor]]:
