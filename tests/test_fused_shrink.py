@@ -218,6 +218,17 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
     return results
 
 
+def test_shrink_benchmark_takes_only_settings_the_kernel_module_has():
+    """`scripts/bench_fused_shrink.py --variants`: integer settings of `_fused_shrink_kernel`, else a clear exit."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_fused_shrink import parse_settings
+
+    assert parse_settings("ROWS_FROM=99,ROWS_WARPS=8") == {"ROWS_FROM": 99, "ROWS_WARPS": 8}
+    for bad in ("NO_SUCH_SETTING=1", "ROWS_WARPS=four", "ROWS_WARPS"):
+        with pytest.raises(SystemExit, match="NAME=INTEGER"):
+            parse_settings(bad)
+
+
 def test_ops_pass_opcheck():
     x, res, lora_a = _case(2, 64, (8, 4), torch.bfloat16)
     weight = torch.rand(64, device=DEVICE)
