@@ -177,7 +177,7 @@ def test_row_spans_leave_their_counters_at_zero_for_the_next_launch():
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
-    largest register tiles, the SiLU·up ``_rows`` kernel keeps its accumulator in registers (a spilling draft of the
+    largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -193,7 +193,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
 
 
 def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
-    """``cuobjdump -res-usage`` of the SiLU·up ``_rows`` kernel compiled for sm_90 as `_fused_shrink_kernel` launches
+    """``cuobjdump -res-usage`` of `_silu_mul_shrink_rows_kernel` compiled for sm_90 as `_fused_shrink_kernel` launches
     it at 16 and 8 rows (7B width), with and without spans."""
     import triton
     from _sass import resources_of

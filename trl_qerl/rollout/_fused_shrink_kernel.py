@@ -42,17 +42,18 @@ MIN_SPAN = 1024
 """Fewest columns per split program of `silu_mul_shrink`."""
 SPAN_ALIGN = 256
 ROWS_FROM = 2
-"""Launches of this many rows and more take the ``_rows`` kernels (fewer: one program per row and rank block)."""
+"""SiLU·up launches of this many rows and more take `_silu_mul_shrink_rows_kernel` (fewer: one program per row and
+rank block)."""
 ROWS_MAX = 16
-"""Most rows the ``_rows`` kernels take (``ROWS`` is unrolled into registers); more take the per-row kernels."""
+"""Most rows that kernel takes (``ROWS`` lives in registers); more take the per-row kernel."""
 ROWS_BLOCK_K = 1024
-"""Columns per step of the ``_rows`` kernels."""
+"""Most columns per step of that kernel."""
 ROWS_WARPS = 4
 """Measured on the H200 (7B SiLU·up, 2026-12-02): 4 warps 7.8 / 11.3 µs at 8 / 16 rows, 8 warps 11.3 / 16.6."""
 ROWS_REGISTERS = 64
 """Bound on the accumulator's registers per thread: ``ROWS x BLOCK_R x BLOCK_K / (32 x ROWS_WARPS)``."""
 ROWS_PROGRAMS = 264
-"""Programs a ``_rows`` launch aims at (rank blocks x spans)."""
+"""Programs a launch over every row aims at (rank blocks x spans)."""
 
 
 @triton.jit
@@ -247,15 +248,15 @@ def _adapter_args(lora_a: list[torch.Tensor]) -> tuple:
 
 
 def takes_rows(rows: int) -> bool:
-    """Whether a launch of ``rows`` rows takes the ``_rows`` kernels (`ROWS_FROM` to `ROWS_MAX` rows)."""
+    """Whether a SiLU·up launch of ``rows`` rows takes the kernel over every row (`ROWS_FROM` to `ROWS_MAX` rows)."""
     return ROWS_FROM <= rows <= ROWS_MAX
 
 
 def rows_layout(rows: int, width: int, ranks: list[int], programs: int = ROWS_PROGRAMS) -> tuple[int, int, int, int]:
-    """(ROWS, BLOCK_R, BLOCK_K, span) of a ``_rows`` launch: steps whose ``[ROWS, BLOCK_K]`` input tile takes at most
-    half of `ROWS_REGISTERS` per thread (16 rows of 1,024 columns spilled on sm_90), the widest rank block (of 8, 4, 2,
-    1) that divides every rank and keeps the accumulator within `ROWS_REGISTERS`, and spans of whole steps, as many as keep
-    the launch at about ``programs`` programs."""
+    """(ROWS, BLOCK_R, BLOCK_K, span) of a launch over every row: steps whose ``[ROWS, BLOCK_K]`` input tile takes at
+    most half of `ROWS_REGISTERS` per thread (16 rows of 1,024 columns spilled on sm_90), the widest rank block (of 8,
+    4, 2, 1) that divides every rank and keeps the accumulator within `ROWS_REGISTERS`, and spans of whole steps, as
+    many as keep the launch at about ``programs`` programs."""
     padded = triton.next_power_of_2(rows)
     budget = ROWS_REGISTERS * 32 * ROWS_WARPS
     columns = min(ROWS_BLOCK_K, triton.next_power_of_2(width), budget // 2 // padded)
@@ -268,7 +269,7 @@ def rows_layout(rows: int, width: int, ranks: list[int], programs: int = ROWS_PR
 
 
 def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tensor) -> tuple:
-    """(grid, span, scratch partials, counters, constexprs) of a ``_rows`` launch."""
+    """(grid, span, scratch partials, counters, constexprs) of a launch over every row."""
     padded, block, columns, span = rows_layout(rows, width, [a.shape[0] for a in lora_a])
     blocks, splits = t.shape[1] // block, triton.cdiv(width, span)
     partials = t.new_empty(blocks * splits * padded * block) if splits > 1 else t
