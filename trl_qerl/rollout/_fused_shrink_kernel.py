@@ -90,6 +90,27 @@ def _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL: tl.constexpr, OUT
 
 
 @triton.jit
+def _store_splits(value, targets, mask, partial_ptr, count_ptr, slot, split, offsets,
+                  SIZE: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
+    """Store ``value`` at ``targets``, or, where the columns are split over ``SPLITS`` programs, leave it as split
+    ``split`` of scratch slot ``slot`` (``SIZE`` elements, ``value`` at ``offsets``): the slot's last program to
+    arrive adds the partials in split order (the same sum on every launch), stores them and resets the slot's counter
+    for the next launch (so graph replays need no memset)."""
+    if SPLITS == 1:
+        tl.store(targets, value, mask=mask)
+    else:
+        tl.store(partial_ptr + (slot * SPLITS + split) * SIZE + offsets, value)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.zeros_like(value)
+            for other in range(SPLITS):
+                total += tl.load(partial_ptr + (slot * SPLITS + other) * SIZE + offsets, cache_modifier=".cg")
+            tl.store(targets, total, mask=mask)
+            tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _norm_shrink_kernel(
     x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr,
     width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
@@ -150,46 +171,9 @@ def _silu_mul_shrink_kernel(
             tl.store(y_ptr + row * stride_y + offsets, y, mask=inside)
         a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
         acc += tl.sum(a * y.to(tl.float32)[None, :], axis=1)
-    if SPLITS == 1:
-        tl.store(t_ptr + row * stride_t + first + ranks, acc)
-    else:
-        # Split over the row: each program leaves its partial, the last to arrive adds them in split order (the
-        # same sum on every launch) and resets the counter for the next launch (so graph replays need no memset).
-        slot = row * tl.num_programs(1) + block
-        tl.store(partial_ptr + (slot * SPLITS + tl.program_id(2)) * BLOCK_R + ranks, acc)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            total = tl.zeros([BLOCK_R], dtype=tl.float32)
-            for split in range(SPLITS):
-                total += tl.load(partial_ptr + (slot * SPLITS + split) * BLOCK_R + ranks, cache_modifier=".cg")
-            tl.store(t_ptr + row * stride_t + first + ranks, total)
-            tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _rows_finish(part, t_ptr, partial_ptr, count_ptr, rows, stride_t, first,
-                 ROWS: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
-    """Store this span's ``part[ROWS, BLOCK_R]`` into ``t``, or leave it in scratch and, in the last program of the
-    rank block to arrive, add the spans' partials in span order into ``t`` and reset the counter."""
-    row_ids = tl.arange(0, ROWS)
-    ranks = tl.arange(0, BLOCK_R)
-    targets = t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :]
-    live = (row_ids < rows)[:, None]
-    if SPLITS == 1:
-        tl.store(targets, part, mask=live)
-    else:
-        block = tl.program_id(0)
-        tile = row_ids[:, None] * BLOCK_R + ranks[None, :]
-        tl.store(partial_ptr + (block * SPLITS + tl.program_id(1)) * ROWS * BLOCK_R + tile, part)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            total = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-            for split in range(SPLITS):
-                total += tl.load(partial_ptr + (block * SPLITS + split) * ROWS * BLOCK_R + tile, cache_modifier=".cg")
-            tl.store(targets, total, mask=live)
-            tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
+    slot = row * tl.num_programs(1) + block
+    targets = t_ptr + row * stride_t + first + ranks
+    _store_splits(acc, targets, None, partial_ptr, count_ptr, slot, tl.program_id(2), ranks, BLOCK_R, SPLITS)
 
 
 @triton.jit
@@ -219,7 +203,11 @@ def _silu_mul_shrink_rows_kernel(
             tl.store(y_ptr + row_ids[:, None] * stride_y + offsets[None, :], y, mask=mask)
         a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
         acc += y.to(tl.float32)[:, None, :] * a[None, :, :]
-    _rows_finish(tl.sum(acc, axis=2), t_ptr, partial_ptr, count_ptr, rows, stride_t, first, ROWS, BLOCK_R, SPLITS)
+    tile = row_ids[:, None] * BLOCK_R + ranks[None, :]
+    targets = t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :]
+    part = tl.sum(acc, axis=2)
+    slot, split = tl.program_id(0), tl.program_id(1)
+    _store_splits(part, targets, live[:, None], partial_ptr, count_ptr, slot, split, tile, ROWS * BLOCK_R, SPLITS)
 
 
 def block_k(width: int) -> int:
@@ -281,12 +269,12 @@ def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tenso
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
+    columns = block_k(width)
+    block = rank_block(rows, [a.shape[0] for a in lora_a], columns)
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     has_residual = residual is not None
     residual = residual if has_residual else x
     s = s if has_residual else h
-    columns = block_k(width)
-    block = rank_block(rows, [a.shape[0] for a in lora_a], columns)
     grid = (rows, t.shape[1] // block)
     _norm_shrink_kernel[grid](
         x, residual, weight, a0, a1, a2, s, h, t, width, rank0, rank1, eps,
