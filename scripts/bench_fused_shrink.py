@@ -29,20 +29,15 @@ import json
 from contextlib import contextmanager
 
 import torch
-import triton
+from graph_timing import time_us
 from model_shapes import NAMES, qwen25_config
 
 from trl_qerl.rollout import _fused_shrink_kernel as kernel
 from trl_qerl.rollout.fused_shrink import rms_norm_reference, shrink_reference
 
 
-def time_us(call) -> float:
-    call()
-    return triton.testing.do_bench_cudagraph(call, rep=20, return_mode="median") * 1e3
-
-
 def parse_settings(variant: str) -> dict[str, int]:
-    """``"NAME=VALUE,NAME=VALUE"`` -> integer settings of `_fused_shrink_kernel` (names it does not have are refused)."""
+    """``"NAME=VALUE,NAME=VALUE"`` -> integer settings of `_fused_shrink_kernel` (names it lacks are refused)."""
     values = {}
     for item in variant.split(","):
         name, _, value = item.partition("=")

@@ -19,7 +19,7 @@ import argparse
 import json
 
 import torch
-import triton
+from graph_timing import time_us
 from model_shapes import NAMES, qwen25_config
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc
@@ -39,11 +39,6 @@ def layer_groups(config) -> dict[str, tuple[list[int], int]]:
         "gate_up": ([inter, inter], hidden),
         "down": ([hidden], inter),
     }
-
-
-def time_us(call) -> float:
-    call()
-    return triton.testing.do_bench_cudagraph(call, rep=20, return_mode="median") * 1e3
 
 
 def main() -> None:

@@ -96,17 +96,18 @@ engine compiles and captures; the default engines above add them in the epilogue
 shrinks left to inductor, each a reduction of its own, instead of made with their input in one launch
 (`fused_decode.FUSED_SHRINK` False while that engine compiles and captures). ``+shrink_per_row``: the fused shrinks
 of the seventh session (one program per row and rank block, up to 8 rows; `_fused_shrink_kernel.ROWS_FROM` and
-`fused_decode.FUSED_SHRINK_ROWS` set back while that engine compiles, captures and runs). ``+alt_choices``: the NVFP4 kernel
-choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones for the keys
-they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process."""
+`fused_decode.FUSED_SHRINK_ROWS` set back while that engine compiles, captures and runs). ``+alt_choices``: the
+NVFP4 kernel choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones
+for the keys they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process."""
 
 
 @contextlib.contextmanager
 def engine_environment(engine: str, alt_choices: str | None = None):
     """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
     ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
-    ones (read when a layer compiles), per-row shrinks for the ``+shrink_per_row`` ones, the table ``alt_choices`` over the kernel choices for the ``+alt_choices`` ones
-    (read at each uncaptured call; captured graphs keep the launch); else unchanged."""
+    ones (read when a layer compiles), per-row shrinks for the ``+shrink_per_row`` ones, the table ``alt_choices``
+    over the kernel choices for the ``+alt_choices`` ones (read at each uncaptured call; captured graphs keep the
+    launch); else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
 
     pdl, epilogue, shrink = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK

@@ -96,9 +96,7 @@ __device__ __forceinline__ T pick(const T (&a)[MAX_SEGMENTS], int s) {
   return s == 0 ? a[0] : (s == 1 ? a[1] : a[2]);
 }
 
-// The LoRA terms of GROUP tokens (from `first`) into terms[token][row]: lane c of a row's LANES lanes multiplies
-// its chunk(s) of B (b4, loaded by `lora_terms`) with chunk c of each token's t row; the LANES lanes add their sums
-// by shuffles (every lane takes part in every shuffle). The tokens' loads are unrolled so that they issue together.
+// How the threads of `lora_terms` share the rows of B: LANES lanes per row, PASSES rows per thread.
 template <int RANK, int ROWS, int THREADS>
 struct LoraLanes {
   static constexpr int LANES = RANK / 4 < 32 ? RANK / 4 : 32;
@@ -107,6 +105,9 @@ struct LoraLanes {
   static constexpr int PASSES = (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
 };
 
+// The LoRA terms of GROUP tokens (from `first`) into terms[token][row]: lane c of a row's LANES lanes multiplies
+// its chunk(s) of B (b4, loaded by `lora_terms`) with chunk c of each token's t row; the LANES lanes add their sums
+// by shuffles (every lane takes part in every shuffle). The tokens' loads are unrolled so that they issue together.
 template <int RANK, int ROWS, int TOKENS, int THREADS, int GROUP, typename L = LoraLanes<RANK, ROWS, THREADS>>
 __device__ __forceinline__ void lora_token_group(float (&terms)[TOKENS][ROWS],
                                                  const float4 (&b4)[L::PASSES][L::CHUNKS], const float* t, int ld_t,
