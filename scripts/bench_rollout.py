@@ -59,8 +59,13 @@ def hf_generate(model, batch, prompt_tokens, new_tokens, vocab, static: bool):
     )
 
 
-def ours(generator, batch, prompt_tokens, new_tokens, vocab, eos=(1,)):
-    prompts = torch.randint(3, vocab, (batch, prompt_tokens)).tolist()
+def ours(generator, batch, prompt_tokens, new_tokens, vocab, eos=(1,), generations=1):
+    """A timed call of ``generator``: ``batch`` rows of ``batch // generations`` distinct prompts, each repeated
+    ``generations`` times in a row (GRPO's completions of one prompt)."""
+    if batch % generations:
+        raise SystemExit(f"--generations {generations} must divide every batch (got {batch})")
+    distinct = torch.randint(3, vocab, (batch // generations, prompt_tokens)).tolist()
+    prompts = [prompt for prompt in distinct for _ in range(generations)]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
 
     def call():
@@ -85,6 +90,9 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+split_kv+shrink_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+shrink_per_row": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+alt_choices": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+split_kv+eager_prefill": dict(engine="fused", compile=True, capture_prefill=False, **_SPLIT),
+           "fused+compile+split_kv+unshared_prefill": dict(engine="fused", compile=True, share_prefill=False,
+                                                           capture_prefill=False, **_SPLIT),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -98,7 +106,11 @@ shrinks left to inductor, each a reduction of its own, instead of made with thei
 of the seventh session (one program per row and rank block, up to 8 rows; `_fused_shrink_kernel.ROWS_FROM` and
 `fused_decode.FUSED_SHRINK_ROWS` set back while that engine compiles, captures and runs). ``+alt_choices``: the
 NVFP4 kernel choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones
-for the keys they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process."""
+for the keys they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process.
+``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per
+prefill shape up to `fast.PREFILL_GRAPH_TOKENS` tokens). ``+unshared_prefill``: also every row prefilled, rows whose
+prompt repeats too (``share_prefill=False``; the other engines prefill each distinct prompt once, which
+``--generations`` exercises): the eighth session's prefill."""
 
 
 @contextlib.contextmanager
@@ -212,6 +224,20 @@ def measure(name, make_call, batch, new_tokens, rows, repeat_first=True, count_t
     spread = f" (lengths: mean {row['mean_length']:.0f}, longest {steps})" if count_tokens else ""
     print(f"| {name}{spread} | {batch} | {row['tokens_per_s']:.0f} | {row['ms_per_step']:.2f} | "
           f"{row['first_call_extra_s']:.1f} |", flush=True)  # fmt: skip
+    return row
+
+
+def decode_alone(full, prefill_only, rows) -> None:
+    """Decode step without the call's fixed part: ``(t(n tokens) - t(1 token)) / (n - 1)`` from a full call and a
+    prefill-only call (one new token) of the same path and batch, both timed in this run."""
+    if full is None or prefill_only is None or full["new_tokens"] < 2:
+        return
+    ms = 1e3 * (full["seconds"] - prefill_only["seconds"]) / (full["new_tokens"] - 1)
+    full |= {"decode_ms_per_step": ms, "prefill_ms": 1e3 * prefill_only["seconds"]}
+    rows.append({"decode_alone": full["backend"], "batch": full["batch"], "decode_ms_per_step": ms,
+                 "prefill_ms": 1e3 * prefill_only["seconds"]})  # fmt: skip
+    print(f"|   {full['backend']}: decode step alone {ms:.2f} ms, prefill + first draw "
+          f"{1e3 * prefill_only['seconds']:.1f} ms | {full['batch']} | | | |", flush=True)  # fmt: skip
 
 
 def profile_call(call, label, rows):
@@ -228,7 +254,7 @@ def profile_call(call, label, rows):
     wall_ms = 1e3 * (time.perf_counter() - start)
     averages = prof.key_averages()
     by_host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:15]
-    by_device = sorted(averages, key=lambda e: -e.self_device_time_total)[:10]
+    by_device = sorted(averages, key=lambda e: -e.self_device_time_total)[:15]
     print(f"\nprofile of one call, {label}: {wall_ms:.1f} ms wall (under the profiler)")
     print("| op (by host time) | calls | self host ms | self device ms |\n|---|---|---|---|")
     for event in by_host:
@@ -236,9 +262,14 @@ def profile_call(call, label, rows):
               f"{event.self_device_time_total / 1e3:.2f} |")  # fmt: skip
     for event in by_device:
         print(f"  device {event.self_device_time_total / 1e3:7.2f} ms {event.count:5d}x {event.key[:100]}")
-    rows.append({"profile_call": label, "wall_ms": wall_ms,
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_ms = sum(e.device_time_total for e in kernels) / 1e3
+    print(f"  {len(kernels)} kernels, {device_ms:.1f} ms of kernel time")
+    rows.append({"profile_call": label, "wall_ms": wall_ms, "kernels": len(kernels), "kernel_ms": device_ms,
                  "host": [{"op": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1e3,
-                           "self_device_ms": e.self_device_time_total / 1e3} for e in by_host]})  # fmt: skip
+                           "self_device_ms": e.self_device_time_total / 1e3} for e in by_host],
+                 "device": [{"op": e.key, "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3}
+                            for e in by_device]})  # fmt: skip
 
 
 def main() -> None:
@@ -259,7 +290,11 @@ def main() -> None:
                         help="also run each batch with this share of the vocabulary ending completions (a length "
                         "spread: what rows that finish early still cost)")  # fmt: skip
     parser.add_argument("--prefill", action="store_true",
-                        help="also time the prefill alone per batch (what sharing a prompt's prefill could save)")  # fmt: skip
+                        help="also time a prefill-only call (one new token) per path and batch, and from it the decode "
+                        "step alone: (full call - prefill-only call) / (new tokens - 1)")  # fmt: skip
+    parser.add_argument("--generations", type=int, default=1,
+                        help="rows per distinct prompt in our engines' calls (GRPO's num_generations; must divide "
+                        "every batch); 1: every prompt distinct")  # fmt: skip
     parser.add_argument("--profile-prefill", action="store_true",
                         help="profile one prefill-only call (one new token) per engine and batch, host and device")  # fmt: skip
     parser.add_argument("--lora-reduction-rows", type=int, default=None,
@@ -288,26 +323,34 @@ def main() -> None:
         measure("TRL default generate, bf16", hf_generate(model, batch, args.prompt_tokens, args.trl_new_tokens, vocab, False),
                 batch, args.trl_new_tokens, rows, repeat_first=False)  # fmt: skip
     for batch in args.compiled_batches:
-        measure("transformers static-cache compiled, bf16",
-                hf_generate(model, batch, args.prompt_tokens, args.new_tokens, vocab, True), batch, args.new_tokens, rows)  # fmt: skip
+        name = "transformers static-cache compiled, bf16"
+        full = measure(name, hf_generate(model, batch, args.prompt_tokens, args.new_tokens, vocab, True), batch,
+                       args.new_tokens, rows)  # fmt: skip
+        if args.prefill:
+            alone = measure(f"{name}, prefill only", hf_generate(model, batch, args.prompt_tokens, 1, vocab, True),
+                            batch, 1, rows)  # fmt: skip
+            decode_alone(full, alone, rows)
 
     def run_engines(model, label, context):
         for engine in args.engines:
             generator = StaticCacheGenerator(model, **ENGINES[engine])
             with context(), engine_environment(engine, args.alt_choices):
                 for batch in args.batches:
-                    measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens, args.new_tokens,
-                            vocab), batch, args.new_tokens, rows)  # fmt: skip
+                    full = measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens,
+                                   args.new_tokens, vocab, generations=args.generations), batch, args.new_tokens,
+                                   rows)  # fmt: skip
                     if args.eos_rate > 0:
                         eos = spread_eos(vocab, args.eos_rate)
                         measure(f"ours ({engine}), {label}, EOS rate {args.eos_rate:g}", ours(generator, batch,
                                 args.prompt_tokens, args.new_tokens, vocab, eos), batch, args.new_tokens, rows,
                                 count_tokens=True)  # fmt: skip
                     if args.prefill:  # one new token: the prompt's prefill and the first sample, nothing else
-                        measure(f"ours ({engine}), {label}, prefill only", ours(generator, batch, args.prompt_tokens,
-                                1, vocab), batch, 1, rows)  # fmt: skip
+                        alone = measure(f"ours ({engine}), {label}, prefill only", ours(generator, batch,
+                                        args.prompt_tokens, 1, vocab, generations=args.generations), batch, 1,
+                                        rows)  # fmt: skip
+                        decode_alone(full, alone, rows)
                     if args.profile_prefill:
-                        profile_call(ours(generator, batch, args.prompt_tokens, 1, vocab),
+                        profile_call(ours(generator, batch, args.prompt_tokens, 1, vocab, generations=args.generations),
                                      f"{engine}, {label}, batch {batch}, prefill only", rows)  # fmt: skip
                 for batch in args.profile_batches if args.profile else ():
                     ours(generator, batch, args.prompt_tokens, 8, vocab)()

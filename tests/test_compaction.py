@@ -139,3 +139,19 @@ def test_by_default_only_steps_of_many_rows_compact():
     assert default.compactions == 0  # 8 rows: measured not to pay
     assert [default._compacts(rows) for rows in (8, 16, COMPACT_MIN_ROWS, 64)] == [False, False, True, True]
     assert not _generator(model, False)._compacts(64) and _generator(model, True)._compacts(2)
+
+
+def test_prefill_reads_only_the_prompts_positions():
+    """Cache positions past the prompt are never read by the prefill's attention: NaN there would reach the logits
+    through SDPA (a zero weight times NaN) if they were."""
+    model = tiny_model("qwen2", dtype=torch.float32)
+    decoder = FusedDecoder(read_decoder(model), 1, 16, "cpu")
+    for tensor in (*decoder.keys, *decoder.values):
+        tensor.fill_(float("nan"))
+    tokens = 5
+    mask = torch.full((1, 1, tokens, 16), torch.finfo(torch.float32).min).triu_(1)  # causal, the rest hidden
+    positions = torch.arange(tokens)[None]
+    logits = decoder.prefill(torch.arange(3, 3 + tokens)[None], mask, positions, torch.arange(tokens))
+    with torch.no_grad():
+        expected = model(torch.arange(3, 3 + tokens)[None]).logits[:, -1]
+    assert torch.allclose(logits, expected, atol=1e-5)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _tiny import randomize_lora_b, tiny_chat_checkpoint, tiny_model
+from _tiny import randomize_lora_b, tiny_chat_checkpoint, tiny_model, tiny_nvfp4_lora_model
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -229,3 +229,74 @@ def test_buffers_are_built_once_per_shape_and_reused():
     assert list(generator._states.values()) == [state]  # same buffers (and on CUDA the same captured graph)
     generator.generate([[5] * 300], params, [1], 0)  # a longer prompt needs a bigger cache: one new shape
     assert next(iter(generator._states.values())) is not state
+
+
+def test_repeated_prompts_are_prefilled_once_and_decode_as_alone():
+    """GRPO's completions of one prompt: each distinct prompt is prefilled once (bucket-filling rows too: batch 8
+    for 6 rows) and every row decodes exactly as without sharing."""
+    model = _models()["nvfp4+lora"].eval()
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 2 + [PROMPTS[2]]
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    shared = StaticCacheGenerator(model, batch_bucket=8, check_every=4)
+    alone = StaticCacheGenerator(model, batch_bucket=8, check_every=4, share_prefill=False)
+    ours = shared.generate(prompts, params, [1], 0)
+    assert shared.prefilled_rows == 3 and alone.generate(prompts, params, [1], 0) == ours
+    assert alone.prefilled_rows == 8
+    assert ours == _reference(model, prompts, 10, eos=1)
+
+
+def test_rows_of_a_shared_prefill_draw_their_own_tokens():
+    model = _models()["fp32"].eval()
+    generator = StaticCacheGenerator(model, check_every=4)
+    torch.manual_seed(0)
+    rows = generator.generate([PROMPTS[0]] * 8, SamplingParams(max_new_tokens=8, temperature=1.0), [1], 0)
+    assert generator.prefilled_rows == 1
+    assert len({tuple(row) for row in rows}) > 1  # one prefill, eight independent draws
+
+
+def test_the_model_engine_prefills_every_row():
+    model = _models()["fp32"].eval()
+    generator = StaticCacheGenerator(model, engine="model", cuda_graph=False)
+    generator.generate([PROMPTS[0]] * 4, SamplingParams(max_new_tokens=2, temperature=0), [1], 0)
+    assert not generator.share_prefill and generator.prefilled_rows == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_prefills_replay_what_eager_prefills_compute():
+    """A prefill shape runs eagerly once, then replays its CUDA graph: the replay computes what a fresh generator's
+    eager prefill computes (same shapes, same kernels: bit for bit), sees the current AQN draw, and serves every
+    prompt length of its bucket."""
+    from trl_qerl.rollout import fast
+
+    model = tiny_nvfp4_lora_model(torch.bfloat16, "cuda")
+    noise = NormNoise(model, seed=0)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+
+    def generator():
+        return StaticCacheGenerator(model, compile=False, check_every=4)
+
+    captured = generator()
+    prompts = [PROMPTS[0]] * 4 + [PROMPTS[2]] * 4
+    captured.sample(prompts, params, [1], 0)
+    assert captured.prefill_captures == 1 and captured.prefilled_rows == 2
+    for draw, batch in enumerate((prompts, [[5, 6, 7]] * 4 + [[9, 10, 11, 12]] * 4)):
+        noise.set_step(draw, 0.3)
+        with noise.rollout():
+            replayed, eager = captured.sample(batch, params, [1], 0), generator().sample(batch, params, [1], 0)
+        assert replayed.completion_ids == eager.completion_ids
+        assert replayed.logprobs == eager.logprobs
+    assert captured.prefill_captures == 1  # prompts of 3-9 tokens share the 64-token bucket
+    assert fast.PREFILL_LENGTH_BUCKET == 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefills_past_the_token_limit_stay_eager(monkeypatch):
+    from trl_qerl.rollout import fast
+
+    monkeypatch.setattr(fast, "PREFILL_GRAPH_TOKENS", 64)
+    model = tiny_nvfp4_lora_model(torch.bfloat16, "cuda")
+    generator = StaticCacheGenerator(model, compile=False)
+    generator.sample([PROMPTS[0], PROMPTS[1]], SamplingParams(max_new_tokens=4, temperature=0), [1], 0)
+    assert generator.prefill_captures == 0  # 2 rows x 64 tokens
+    generator.sample([PROMPTS[0]] * 2, SamplingParams(max_new_tokens=4, temperature=0), [1], 0)
+    assert generator.prefill_captures == 1  # one distinct prompt: 64 tokens

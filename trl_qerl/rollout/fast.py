@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import torch
 from transformers import StaticCache
@@ -53,6 +53,7 @@ __all__ = ["FastRollout", "SamplingParams", "Samples", "StaticCacheGenerator", "
 
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def cache_argument(model) -> str:
@@ -136,6 +137,8 @@ class _DecodeState:
         self.graph = None
         self.smaller: dict[int, _DecodeState] = {}
         """States over the first rows of this one's KV cache (`compacted`), made on first use and kept."""
+        self.prefills: dict[tuple[int, int], _PrefillGraph | None] = {}
+        """Captured prefills into this state's KV cache by (rows, prompt length); None where capture failed."""
         if graph:
             # Capturing runs the step twice, writing keys/values at `cache_position`: a state made mid-rollout
             # captures at the current position, which the next step overwrites before anything reads it.
@@ -182,16 +185,51 @@ class _DecodeState:
         return smaller
 
     def _capture(self) -> None:
-        # Warm up on a side stream (kernel choices, cuBLAS handles), then record one step. The warm-up writes
-        # into the cache; every rollout resets it before prefill.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.step()
-        torch.cuda.current_stream().wait_stream(stream)
+        # Warm up (kernel choices, cuBLAS handles), then record one step. The warm-up writes into the cache; every
+        # rollout resets it before prefill.
+        _on_side_stream(self.step)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.step()
+
+
+def _on_side_stream(run: Callable[[], T]) -> T:
+    """``run()`` on a side stream, ordered after and before the current stream's work: how a CUDA graph's warm-up
+    runs, so that lazily created state (cuBLAS handles, workspaces) exists before capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        result = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    return result
+
+
+class _PrefillGraph:
+    """One prefill shape captured as a CUDA graph over fixed input buffers. Its graph shares a memory pool with the
+    generator's other prefill graphs: their temporaries never live across calls, and `replay` copies the logits out
+    before any other prefill can run."""
+
+    def __init__(self, backend, inputs: tuple[torch.Tensor, ...], pool) -> None:
+        self.inputs = [tensor.clone() for tensor in inputs]
+        self.graph = torch.cuda.CUDAGraph()
+        # Capture records without running: the cache keeps what the eager prefill just wrote.
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = backend.prefill(*self.inputs)
+
+    def replay(self, *inputs: torch.Tensor) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, inputs):
+            buffer.copy_(value)
+        self.graph.replay()
+        return self.logits.clone()
+
+
+PREFILL_GRAPH_TOKENS = 2048
+"""`StaticCacheGenerator(capture_prefill=...)` captures prefills of at most this many tokens (prefilled rows x prompt
+length). A 7B prefill of 256 tokens took ~100 ms per call eagerly on the H200 (2026-12-02), about eight times its
+kernels' time: host launch work. Past ~2,000 tokens the kernels take as long as launching them, while a graph keeps
+its temporaries (at 2,048 tokens a 7B layer's MLP activations alone are ~230 MB) for as long as it lives."""
+PREFILL_LENGTH_BUCKET = 64
+"""Prompt lengths of captured prefills are rounded up to this multiple, so that shapes repeat across rollouts."""
 
 
 COMPACT_MIN_ROWS = 32
@@ -246,6 +284,13 @@ class StaticCacheGenerator:
             ``True`` any step, ``False`` none. Fused engine only (the model engine logs and decodes without it,
             when asked). Greedy outputs are the same with or without; sampled ones are draws of the same
             distribution (fewer rows draw from the generator).
+        share_prefill: prefill each distinct prompt once and copy its KV cache to the rows that repeat it (GRPO's
+            ``num_generations`` completions of a prompt); every row then draws its own first token. Fused engine
+            only (the model engine prefills every row). Default on.
+        capture_prefill: replay prefills of at most `PREFILL_GRAPH_TOKENS` tokens (distinct prompts x prompt
+            length) as CUDA graphs, one per shape, captured after its first eager run; prompt lengths are then
+            rounded up to multiples of `PREFILL_LENGTH_BUCKET` (more left padding) so that shapes repeat. Such
+            prefills are bound by host launch work, not by the GPU. Default: with ``cuda_graph``, fused engine.
     """
 
     def __init__(
@@ -259,6 +304,8 @@ class StaticCacheGenerator:
         compile: bool | None = None,
         decode_attention: str = "auto",
         compact_finished: bool | None = None,
+        share_prefill: bool = True,
+        capture_prefill: bool | None = None,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"Unknown engine={engine!r}; use one of {ENGINES}.")
@@ -275,11 +322,21 @@ class StaticCacheGenerator:
         if compact_finished and not self.compact_finished:
             logger.warning("compact_finished needs the fused decode step; this model decodes through its forward, "
                            "where finished rows keep decoding until all have finished")  # fmt: skip
+        self.share_prefill = share_prefill and self.engine == "fused"
+        wanted = self.cuda_graph if capture_prefill is None else capture_prefill
+        self.capture_prefill = wanted and self.cuda_graph and self.engine == "fused"
+        if capture_prefill and not self.capture_prefill:
+            logger.warning("capture_prefill needs CUDA graphs and the fused decode step; prefilling eagerly")
+        self._prefill_pool = None
         self._states: dict[tuple, _DecodeState] = {}
         self.captures = 0
         """Number of decode-step captures (one per shape bucket and sampling setting) in this process."""
         self.compactions = 0
         """Number of times rows still decoding moved to a smaller step (``compact_finished``)."""
+        self.prefilled_rows = 0
+        """Rows the last rollout's prefill computed (fewer than its batch where prompts repeat, `share_prefill`)."""
+        self.prefill_captures = 0
+        """Number of prefill shapes captured as CUDA graphs (`capture_prefill`) in this process."""
 
     def _choose_engine(self, engine: str) -> str:
         if engine in ("auto", "fused"):
@@ -339,7 +396,11 @@ class StaticCacheGenerator:
         device = next(model.parameters()).device
         rows = len(prompts)
         batch = _bucket(rows, self.batch_bucket)
+        groups = _prompt_groups(prompts, batch) if self.share_prefill else None
         prompt_len = max(len(p) for p in prompts)
+        prefilled = len(groups[0]) if groups else batch
+        if self.capture_prefill and prefilled * _bucket(prompt_len, PREFILL_LENGTH_BUCKET) <= PREFILL_GRAPH_TOKENS:
+            prompt_len = _bucket(prompt_len, PREFILL_LENGTH_BUCKET)  # captured shapes repeat across rollouts
         cache_len = _bucket(prompt_len + params.max_new_tokens, self.length_bucket)
 
         input_ids = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)
@@ -356,7 +417,7 @@ class StaticCacheGenerator:
         try:
             state = self._state(batch, cache_len, params, eos_token_ids, pad_token_id, device)
             state.backend.reset()
-            first, first_logprob, first_entropy = self._prefill(state, input_ids, padding, prompt_len)
+            first, first_logprob, first_entropy = self._prefill(state, input_ids, padding, prompt_len, groups)
             state.tokens.copy_(first)
             state.positions.copy_(lengths)
             state.cache_position.fill_(prompt_len)
@@ -422,18 +483,51 @@ class StaticCacheGenerator:
         compacted.finished |= ~real
         return compacted, row_ids.index_select(0, index), real
 
-    def _prefill(self, state: _DecodeState, input_ids, padding, prompt_len) -> tuple[torch.Tensor, ...]:
+    def _prefill(self, state: _DecodeState, input_ids, padding, prompt_len, groups=None) -> tuple[torch.Tensor, ...]:
+        """Fill the cache with the prompts and draw every row's first token. ``groups`` (`_prompt_groups`): prefill
+        only the rows ``groups[0]`` (one per distinct prompt) in the first rows of the cache, then copy each row's
+        prompt there (``groups[1]``)."""
         cache_len = padding.shape[1]
         causal = torch.ones(prompt_len, cache_len, dtype=torch.bool, device=padding.device).tril()
         visible = causal[None, None] & padding[:, None, None, :]
         mask = torch.where(visible, state.visible, state.hidden).to(state.mask.dtype)
-        logits = state.backend.prefill(
-            input_ids,
-            mask,
-            (padding[:, :prompt_len].long().cumsum(dim=1) - 1).clamp_(min=0),
-            torch.arange(prompt_len, device=input_ids.device),
-        )
+        positions = (padding[:, :prompt_len].long().cumsum(dim=1) - 1).clamp_(min=0)
+        cache_position = torch.arange(prompt_len, device=input_ids.device)
+        if groups is None:
+            logits = self._prefill_rows(state, state.backend, input_ids, mask, positions, cache_position)
+            self.prefilled_rows = input_ids.shape[0]
+        else:
+            sources, owners = (torch.tensor(rows, device=input_ids.device) for rows in groups)
+            backend = state.backend.first_rows(sources.numel())
+            inputs = (input_ids[sources], mask[sources], positions[sources], cache_position)
+            logits = self._prefill_rows(state, backend, *inputs)
+            state.backend.gather_rows(owners)
+            logits = logits.index_select(0, owners)
+            self.prefilled_rows = sources.numel()
         return sample_with_stats(logits, state.params)
+
+    def _prefill_rows(self, state: _DecodeState, backend, input_ids, mask, positions, cache_position) -> torch.Tensor:
+        """``backend.prefill``, replayed from a CUDA graph where `capture_prefill` takes this shape: the first
+        prefill of a shape runs eagerly (choosing kernels), then is captured; a capture that fails logs once and
+        leaves that shape eager."""
+        shape = tuple(input_ids.shape)
+        if not self.capture_prefill or shape[0] * shape[1] > PREFILL_GRAPH_TOKENS:
+            return backend.prefill(input_ids, mask, positions, cache_position)
+        inputs = (input_ids, mask, positions, cache_position)
+        if shape in state.prefills:
+            graph = state.prefills[shape]
+            return graph.replay(*inputs) if graph is not None else backend.prefill(*inputs)
+        logits = _on_side_stream(lambda: backend.prefill(*inputs))  # also the capture's warm-up
+        if self._prefill_pool is None:
+            self._prefill_pool = torch.cuda.graph_pool_handle()
+        try:
+            state.prefills[shape] = _PrefillGraph(backend, inputs, self._prefill_pool)
+            self.prefill_captures += 1
+        except Exception as error:  # noqa: BLE001 - a capture problem must not stop rollouts
+            logger.warning("capturing the prefill of %s rows x %s tokens failed (%s: %s); it stays eager",
+                           shape[0], shape[1], type(error).__name__, str(error)[:200])  # fmt: skip
+            state.prefills[shape] = None
+        return logits
 
     def _state(self, batch, cache_len, params, eos_token_ids, pad_id, device) -> _DecodeState:
         key = (batch, cache_len, params, tuple(eos_token_ids), pad_id)
@@ -447,6 +541,22 @@ class StaticCacheGenerator:
             self._states[key] = _DecodeState(self.model, backend, batch, params, eos, pad_id, device, self.cuda_graph)
             self.captures += int(self.cuda_graph)
         return self._states[key]
+
+
+def _prompt_groups(prompts: Sequence[Sequence[int]], batch: int) -> tuple[list[int], list[int]] | None:
+    """Where some prompts repeat: (the first row of each distinct prompt, the distinct prompt's index of each of the
+    ``batch`` rows; rows past the prompts fill the batch bucket and take the first), else None."""
+    index: dict[tuple[int, ...], int] = {}
+    sources, owners = [], []
+    for row, prompt in enumerate(prompts):
+        key = tuple(prompt)
+        if key not in index:
+            index[key] = len(sources)
+            sources.append(row)
+        owners.append(index[key])
+    if len(sources) == len(prompts):
+        return None
+    return sources, owners + [0] * (batch - len(prompts))
 
 
 def _power_of_two_at_least(value: int) -> int:

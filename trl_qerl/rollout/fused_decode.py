@@ -418,8 +418,15 @@ class FusedDecoder:
 
     @torch.no_grad()
     def prefill(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
-        """Logits ``[B, V]`` of the prompt's last position; fills the cache at ``cache_position``."""
-        return self._forward(decoder_layer, input_ids, mask, position_ids, cache_position)
+        """Logits ``[B, V]`` of the prompt's last position; fills the cache at ``cache_position``, the prompt's
+        positions from the cache's start (``arange(T)`` for ``T`` prompt tokens). Attention reads only those ``T``
+        positions (the mask hides the rest anyway), so its cost and its temporary copies of grouped keys and values
+        do not grow with the rollout's length."""
+        end = input_ids.shape[1]
+        keys = [tensor[:, :, :end] for tensor in self.keys]  # views: index_copy_ writes through them into the cache
+        values = [tensor[:, :, :end] for tensor in self.values]
+        return self._forward(decoder_layer, input_ids, mask[..., :end], position_ids, cache_position, keys=keys,
+                             values=values)  # fmt: skip
 
     @torch.no_grad()
     def decode(self, tokens, positions, cache_position, mask) -> torch.Tensor:
@@ -437,11 +444,12 @@ class FusedDecoder:
                 self._decode_layer = decoder_layer
         return self._forward(decoder_layer, *args)
 
-    def _forward(self, layer_fn, input_ids, mask, position_ids, cache_position, split_kv=False) -> torch.Tensor:
+    def _forward(self, layer_fn, input_ids, mask, position_ids, cache_position, split_kv=False, keys=None,
+                 values=None) -> torch.Tensor:  # fmt: skip
         spec = self.spec
         x = F.embedding(input_ids, spec.embed)
         cos, sin = spec.rotary(x, position_ids)
-        for layer, cache_k, cache_v in zip(spec.layers, self.keys, self.values):
+        for layer, cache_k, cache_v in zip(spec.layers, keys or self.keys, values or self.values):
             x = layer_fn(spec, layer, x, cos, sin, cache_k, cache_v, cache_position, mask, split_kv)
         last = rms_norm(x[:, -1], spec.final_norm)
         return project(last, (spec.lm_head,))[0]
