@@ -165,7 +165,8 @@ def _assert_greedy(model, prompts, completions, tolerance):
 def test_captured_fused_step_on_cuda(compile):
     model = _model("qwen2", dtype=torch.bfloat16, lora_targets="all-linear").cuda()
     noise = NormNoise(model, seed=0)
-    generator = StaticCacheGenerator(model, engine="fused", compile=compile)
+    # (an eager prefill as in `eager`: a captured one rounds prompt lengths up, and bf16 sums then differ)
+    generator = StaticCacheGenerator(model, engine="fused", compile=compile, capture_prefill=False)
     eager = StaticCacheGenerator(model, engine="fused", cuda_graph=False, compile=False)
     ours = generator.generate(PROMPTS, GREEDY, [1], 0)
     if compile:  # inductor sums in another order: equal up to bf16 ties

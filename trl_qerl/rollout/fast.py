@@ -399,7 +399,10 @@ class StaticCacheGenerator:
         groups = _prompt_groups(prompts, batch) if self.share_prefill else None
         prompt_len = max(len(p) for p in prompts)
         prefilled = len(groups[0]) if groups else batch
-        if self.capture_prefill and prefilled * _bucket(prompt_len, PREFILL_LENGTH_BUCKET) <= PREFILL_GRAPH_TOKENS:
+        capture = (
+            self.capture_prefill and prefilled * _bucket(prompt_len, PREFILL_LENGTH_BUCKET) <= PREFILL_GRAPH_TOKENS
+        )
+        if capture:
             prompt_len = _bucket(prompt_len, PREFILL_LENGTH_BUCKET)  # captured shapes repeat across rollouts
         cache_len = _bucket(prompt_len + params.max_new_tokens, self.length_bucket)
 
@@ -417,7 +420,7 @@ class StaticCacheGenerator:
         try:
             state = self._state(batch, cache_len, params, eos_token_ids, pad_token_id, device)
             state.backend.reset()
-            first, first_logprob, first_entropy = self._prefill(state, input_ids, padding, prompt_len, groups)
+            first, first_logprob, first_entropy = self._prefill(state, input_ids, padding, prompt_len, groups, capture)
             state.tokens.copy_(first)
             state.positions.copy_(lengths)
             state.cache_position.fill_(prompt_len)
@@ -483,10 +486,11 @@ class StaticCacheGenerator:
         compacted.finished |= ~real
         return compacted, row_ids.index_select(0, index), real
 
-    def _prefill(self, state: _DecodeState, input_ids, padding, prompt_len, groups=None) -> tuple[torch.Tensor, ...]:
+    def _prefill(self, state: _DecodeState, input_ids, padding, prompt_len, groups=None,
+                 capture: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """Fill the cache with the prompts and draw every row's first token. ``groups`` (`_prompt_groups`): prefill
         only the rows ``groups[0]`` (one per distinct prompt) in the first rows of the cache, then copy each row's
-        prompt there (``groups[1]``)."""
+        prompt there (``groups[1]``). ``capture``: replay the prefill from a CUDA graph of its shape."""
         cache_len = padding.shape[1]
         causal = torch.ones(prompt_len, cache_len, dtype=torch.bool, device=padding.device).tril()
         visible = causal[None, None] & padding[:, None, None, :]
@@ -494,26 +498,25 @@ class StaticCacheGenerator:
         positions = (padding[:, :prompt_len].long().cumsum(dim=1) - 1).clamp_(min=0)
         cache_position = torch.arange(prompt_len, device=input_ids.device)
         if groups is None:
-            logits = self._prefill_rows(state, state.backend, input_ids, mask, positions, cache_position)
+            logits = self._prefill_rows(state, state.backend, capture, input_ids, mask, positions, cache_position)
             self.prefilled_rows = input_ids.shape[0]
         else:
             sources, owners = (torch.tensor(rows, device=input_ids.device) for rows in groups)
             backend = state.backend.first_rows(sources.numel())
             inputs = (input_ids[sources], mask[sources], positions[sources], cache_position)
-            logits = self._prefill_rows(state, backend, *inputs)
+            logits = self._prefill_rows(state, backend, capture, *inputs)
             state.backend.gather_rows(owners)
             logits = logits.index_select(0, owners)
             self.prefilled_rows = sources.numel()
         return sample_with_stats(logits, state.params)
 
-    def _prefill_rows(self, state: _DecodeState, backend, input_ids, mask, positions, cache_position) -> torch.Tensor:
-        """``backend.prefill``, replayed from a CUDA graph where `capture_prefill` takes this shape: the first
-        prefill of a shape runs eagerly (choosing kernels), then is captured; a capture that fails logs once and
-        leaves that shape eager."""
-        shape = tuple(input_ids.shape)
-        if not self.capture_prefill or shape[0] * shape[1] > PREFILL_GRAPH_TOKENS:
-            return backend.prefill(input_ids, mask, positions, cache_position)
-        inputs = (input_ids, mask, positions, cache_position)
+    def _prefill_rows(self, state: _DecodeState, backend, capture: bool, *inputs: torch.Tensor) -> torch.Tensor:
+        """``backend.prefill(*inputs)``, with ``capture`` replayed from a CUDA graph of its shape: the first prefill
+        of a shape runs eagerly (choosing kernels), then is captured; a capture that fails logs once and leaves that
+        shape eager."""
+        if not capture:
+            return backend.prefill(*inputs)
+        shape = tuple(inputs[0].shape)
         if shape in state.prefills:
             graph = state.prefills[shape]
             return graph.replay(*inputs) if graph is not None else backend.prefill(*inputs)
