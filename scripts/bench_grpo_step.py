@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from model_shapes import NAMES, build_nvfp4_streamed, qwen25_config, spread_eos, synthetic_tokenizer, write_checkpoint
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, TrainerCallback
 
 from trl_qerl.config import QeRLConfig
 from trl_qerl.lora import nvfp4_lora_config
@@ -62,6 +62,28 @@ def pad_setting(value: str) -> int | str | None:
     if value == "auto":
         return value
     return None if value == "none" else int(value)
+
+
+class StepProbe(TrainerCallback):
+    """Per optimizer step, what can make one step slower than the others: the caching allocator's retries (it freed
+    its cache and asked the driver again), the NVFP4 kernel-choice keys timed so far (a new shape tunes candidates),
+    and the garbage collector's passes so far."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        row = {"step": state.global_step, "gc_collections": sum(g["collections"] for g in gc.get_stats())}
+        if torch.cuda.is_available():
+            row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            row["malloc_calls"] = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+        try:
+            from trl_qerl.nvfp4 import kernels
+
+            row["kernel_keys_timed"] = len(kernels.CHOOSER.timings)
+        except ImportError:  # no Triton: no kernel choices
+            pass
+        self.steps.append(row)
 
 
 def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) -> dict:
@@ -106,8 +128,10 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         temperature=1.0,
         seed=0,
     )
+    probe = StepProbe()
     trainer = QeRLGRPOTrainer(
         model,
+        callbacks=[probe],
         reward_funcs=varied_reward,
         args=config,
         train_dataset=prompts(batch, args.prompt_tokens, tokenizer.vocab_size),
@@ -148,6 +172,7 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         "step_s_each": [e["time/step_s"] for e in steps],
         "completion_length_each": [e["completions/mean_length"] for e in steps],
         "forward_backward_s_each": [e["time/forward_backward_s"] for e in steps],
+        "probe_each": probe.steps,
         "warmup": {key: warmup[key] for key in ("time/step_s", "time/forward_backward_s", "completions/mean_length")},
         "eos_rate": args.eos_rate,
         "pad_to_multiple_of": trainer.args.pad_to_multiple_of,

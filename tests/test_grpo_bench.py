@@ -41,3 +41,4 @@ def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
     assert row["eos_rate"] == 0.2 and row["pad_to_multiple_of"] == 16
     lengths = [row["warmup"]["completions/mean_length"], *row["completion_length_each"]]
     assert len(lengths) == 3 and all(0 < length < 32 for length in lengths)  # rows ended early, at ~1/0.2 tokens
+    assert [probe["step"] for probe in row["probe_each"]] == [1, 2, 3]  # one probe per optimizer step
