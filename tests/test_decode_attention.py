@@ -100,6 +100,21 @@ def test_the_merge_kernel_equals_the_torch_merge(dtype):
     assert torch.allclose(out.cpu().float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_merges_as_the_second_kernel_does(monkeypatch, dtype):
+    """The last chunk of each (row, key/value head) to arrive merges in the partials launch: the same numbers as the
+    two-launch form, bit for bit, and its arrival counters are back at zero for the next launch (or graph replay)."""
+    from trl_qerl.nvfp4.cuda_mma import arrival_counters
+    from trl_qerl.rollout import decode_attention
+
+    inputs = _inputs(3, 6, 2, 100, 16, position=71, dtype=dtype, seed=5)
+    one = [split_kv_attention(*inputs[:4], 0.3, inputs[4]) for _ in range(2)]
+    assert (arrival_counters(one[0].device, 6)[:6] == 0).all()
+    monkeypatch.setattr(decode_attention, "MERGE_IN_PARTIALS", False)
+    two = split_kv_attention(*inputs[:4], 0.3, inputs[4])
+    assert torch.equal(one[0], two) and torch.equal(one[1], two)
+
+
 def test_a_row_with_every_position_masked_stays_finite():
     """Cannot happen in decode (the current position is always visible), but must not produce NaN: such a row
     averages the values up to the position, as SDPA would over that part of the cache."""

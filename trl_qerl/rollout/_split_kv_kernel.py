@@ -8,15 +8,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..nvfp4.cuda_mma import arrival_counters
+
 
 @triton.jit
 def _partials_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, position_ptr, acc_ptr, max_ptr, sum_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, position_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, count_ptr,
     scaling, cache_len,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb,
+    stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MIN_STAT: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MIN_STAT: tl.constexpr, MERGE: tl.constexpr,
 ):  # fmt: skip
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -54,6 +57,13 @@ def _partials_kernel(
     tl.store(acc_ptr + (out + heads)[:, None] * HEAD_DIM + dims[None, :], acc, mask=(heads < GROUP)[:, None])
     tl.store(max_ptr + out + heads, running_max, mask=heads < GROUP)
     tl.store(sum_ptr + out + heads, running_sum, mask=heads < GROUP)
+    if MERGE:  # the last of the row's chunks to arrive merges them all and resets its counter for the next launch
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(count_ptr + row_head, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, stride_ob, stride_oh,
+                            KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT)  # fmt: skip
+            tl.atomic_xchg(count_ptr + row_head, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -62,7 +72,18 @@ def _merge_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr,
 ):  # fmt: skip
-    row_head = tl.program_id(0)
+    _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, tl.program_id(0), stride_ob, stride_oh,
+                    KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT)  # fmt: skip
+
+
+@triton.jit
+def _merge_row_head(
+    acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, stride_ob, stride_oh,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr,
+):  # fmt: skip
+    """Merge one (row, key/value head)'s chunk partials into ``out``. Loads bypass L1 (``.cg``): other programs
+    wrote the partials, in this launch or the one before."""
     row = row_head // KV_HEADS
     kv_head = row_head % KV_HEADS
     heads = tl.arange(0, GROUP_PAD)
@@ -71,15 +92,18 @@ def _merge_kernel(
     first = row_head * SPLITS * GROUP
     stats = first + splits[:, None] * GROUP + heads[None, :]
     valid = (splits[:, None] < SPLITS) & (heads[None, :] < GROUP)
-    overall = tl.max(tl.load(max_ptr + stats, mask=valid, other=MIN_STAT), 0)
+    overall = tl.max(tl.load(max_ptr + stats, mask=valid, other=MIN_STAT, cache_modifier=".cg"), 0)
     numerator = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     denominator = tl.zeros([GROUP_PAD], dtype=tl.float32)
     for split in range(SPLITS):  # one chunk's [GROUP, HEAD_DIM] at a time: all of them would not fit in registers
         offsets = first + split * GROUP + heads
-        weight = tl.exp(tl.load(max_ptr + offsets, mask=heads < GROUP, other=MIN_STAT) - overall)
-        denominator += weight * tl.load(sum_ptr + offsets, mask=heads < GROUP, other=0.0)
+        weight = tl.exp(tl.load(max_ptr + offsets, mask=heads < GROUP, other=MIN_STAT, cache_modifier=".cg") - overall)
+        denominator += weight * tl.load(sum_ptr + offsets, mask=heads < GROUP, other=0.0, cache_modifier=".cg")
         chunk = tl.load(
-            acc_ptr + offsets[:, None] * HEAD_DIM + dims[None, :], mask=(heads < GROUP)[:, None], other=0.0
+            acc_ptr + offsets[:, None] * HEAD_DIM + dims[None, :],
+            mask=(heads < GROUP)[:, None],
+            other=0.0,
+            cache_modifier=".cg",
         )
         numerator += weight[:, None] * chunk
     out = numerator / tl.where(heads < GROUP, denominator, 1.0)[:, None]
@@ -100,8 +124,10 @@ def merge(acc, maxima, sums, out, min_stat: float) -> None:
     )  # fmt: skip
 
 
-def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block: int, min_stat: float) -> None:
-    """`decode_attention.launch_partials`: one program per (row x KV head, chunk)."""
+def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block: int, min_stat: float,
+           out: torch.Tensor | None = None) -> None:  # fmt: skip
+    """`decode_attention.launch_partials`: one program per (row x KV head, chunk). With ``out`` the last chunk of
+    each (row, KV head) to finish merges the partials into it (one launch instead of two, `merge`)."""
     batch, heads, _, head_dim = q.shape
     kv_heads, cache_len = keys.shape[1], keys.shape[2]
     splits = acc.shape[1]
@@ -109,16 +135,21 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
     q3 = q.reshape(batch, heads, head_dim)
     mask2 = mask.reshape(batch, cache_len)
     group = heads // kv_heads
+    merged = out is not None
+    counters = arrival_counters(q.device, batch * kv_heads) if merged else acc
+    out = out if merged else acc
     # fp32 inputs get fp32 products ("ieee"): tl.dot's CUDA default is tf32 (10-bit mantissa), not what an fp32
     # caller asked for; the fp32 tests failed with it on the H200. 16-bit operands ignore the argument.
     _partials_kernel[(batch * kv_heads, splits)](
-        q3, keys, values, mask2, cache_position, acc, maxima, sums,
+        q3, keys, values, mask2, cache_position, acc, maxima, sums, out, counters,
         scaling, cache_len,
         q3.stride(0), q3.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), mask2.stride(0),
+        out.stride(0) if merged else 0, out.stride(1) if merged else 0,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        CHUNK=chunk, BLOCK=block, SPLITS=splits, DOT_DTYPE=_dot_dtype(q.dtype),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_STAT=min_stat,
+        CHUNK=chunk, BLOCK=block, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MIN_STAT=min_stat, MERGE=merged,
     )  # fmt: skip
 
 

@@ -6,9 +6,10 @@ batch 8 that is few CTAs of mostly masked work (cuDNN: ~14.7 µs per 7B layer on
 ~9 % of a decode step). This kernel ("flash-decoding") gives each (row, key/value head, chunk of the cache) its
 own program, folds the key/value head's query heads into one ``tl.dot``, and skips every chunk past the current
 cache position (a device tensor, so the launch is CUDA-graph capturable). Each program writes its partial softmax
-statistics, and a second kernel (`launch_merge`, one program per row and key/value head) merges them exactly into
-the output. Left to inductor, the merge (`combine_partials`, plain torch: the tests' reference) became three
-reduction kernels costing more than the partials kernel (H200, 2026-12-02).
+statistics, and the last program of each row and key/value head to finish merges them exactly into the output (one
+launch; `MERGE_IN_PARTIALS`), or a second kernel does (`launch_merge`, one program per row and key/value head). Left
+to inductor, the merge (`combine_partials`, plain torch: the tests' reference) became three reduction kernels costing
+more than the partials kernel (H200, 2026-12-02).
 
 The result equals SDPA's up to summation order and the bf16 rounding of the probabilities before ``P @ V`` (as in
 flash attention). `split_kv_attention` runs the Triton kernels (`_split_kv_kernel`, imported when first launched;
@@ -37,6 +38,10 @@ __all__ = [
 
 BLOCK = 32
 """Cache positions per inner step of a program."""
+
+MERGE_IN_PARTIALS = True
+"""`split_kv_attention` in one launch: the last chunk of each (row, key/value head) to finish merges (an arrival
+counter per (row, key/value head) that resets itself, so graph replays need no memset). False: a second kernel."""
 
 MIN_STAT = torch.finfo(torch.float32).min
 """The running max before any position (finite, so that ``exp(max - max)`` is 1, never NaN, and below any masked
@@ -69,13 +74,13 @@ def chunk_size(cache_len: int, row_heads: int, device: torch.device) -> int:
     return max(BLOCK, _cdiv(chunk, BLOCK) * BLOCK)
 
 
-def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, sums) -> None:
+def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, out=None) -> None:
     """Run the kernel into ``acc[B*KVH, S, G, D]``, ``maxima`` / ``sums[B*KVH, S, G]`` (fp32). The ``S`` chunks
-    are ``cdiv(cache_len, S)`` positions rounded up to `BLOCK`. Needs Triton (imported here: the package imports
-    without it)."""
+    are ``cdiv(cache_len, S)`` positions rounded up to `BLOCK`. With ``out[B, H, 1, D]`` the same launch also
+    merges them into it (as `launch_merge` would). Needs Triton (imported here: the package imports without it)."""
     from ._split_kv_kernel import launch
 
-    launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block=BLOCK, min_stat=MIN_STAT)
+    launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block=BLOCK, min_stat=MIN_STAT, out=out)
 
 
 def launch_merge(acc, maxima, sums, out) -> None:
@@ -130,10 +135,16 @@ def split_kv_attention(
     cache_position: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """``softmax(q·Kᵀ·scaling + mask) @ V`` for ``q[B, H, 1, D]`` over the cache ``[B, KVH, L, D]``, reading only
-    positions ``≤ cache_position[0]``. Returns ``[B, H, 1, D]`` in ``q``'s dtype. Two launches (partials, merge);
-    an opaque op, so a compiled layer calls it as it is."""
-    acc, maxima, sums = split_kv_partials(q, keys, values, mask, scaling, cache_position)
+    positions ``≤ cache_position[0]``. Returns ``[B, H, 1, D]`` in ``q``'s dtype. One launch, or two with
+    `MERGE_IN_PARTIALS` off (partials, merge); an opaque op, so a compiled layer calls it as it is."""
     out = torch.empty_like(q)
+    if MERGE_IN_PARTIALS:
+        shape = _partials_shape(q, keys)
+        acc = torch.empty(shape, dtype=torch.float32, device=q.device)
+        maxima = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
+        launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, torch.empty_like(maxima), out)
+        return out
+    acc, maxima, sums = split_kv_partials(q, keys, values, mask, scaling, cache_position)
     launch_merge(acc, maxima, sums, out)
     return out
 
