@@ -108,6 +108,7 @@ def test_one_launch_merges_as_the_second_kernel_does(monkeypatch, dtype):
     from trl_qerl.rollout import decode_attention
 
     inputs = _inputs(3, 6, 2, 100, 16, position=71, dtype=dtype, seed=5)
+    monkeypatch.setattr(decode_attention, "MERGE_IN_PARTIALS", True)
     one = [split_kv_attention(*inputs[:4], 0.3, inputs[4]) for _ in range(2)]
     assert (arrival_counters(one[0].device, 6)[:6] == 0).all()
     monkeypatch.setattr(decode_attention, "MERGE_IN_PARTIALS", False)
