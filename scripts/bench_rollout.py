@@ -90,7 +90,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+split_kv+shrink_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+shrink_per_row": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+alt_choices": dict(engine="fused", compile=True, **_SPLIT),
-           "fused+compile+split_kv+two_launch_attention": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+split_kv+one_launch_attention": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+eager_prefill": dict(engine="fused", compile=True, capture_prefill=False, **_SPLIT),
            "fused+compile+split_kv+unshared_prefill": dict(engine="fused", compile=True, share_prefill=False,
                                                            capture_prefill=False, **_SPLIT),
@@ -108,9 +108,9 @@ of the seventh session (one program per row and rank block, up to 8 rows; `_fuse
 `fused_decode.FUSED_SHRINK_ROWS` set back while that engine compiles, captures and runs). ``+alt_choices``: the
 NVFP4 kernel choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones
 for the keys they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process.
-``+two_launch_attention``: the split-KV attention's partials merged by a second kernel
-(`decode_attention.MERGE_IN_PARTIALS` False while that engine captures and runs; the other engines merge in the
-partials launch). ``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per
+``+one_launch_attention``: the split-KV attention's partials merged by the partials launch itself
+(`decode_attention.MERGE_IN_PARTIALS` True while that engine captures and runs; the other engines merge with a second
+kernel). ``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per
 prefill shape up to `fast.PREFILL_GRAPH_TOKENS` tokens). ``+unshared_prefill``: also every row prefilled, rows whose
 prompt repeats too (``share_prefill=False``; the other engines prefill each distinct prompt once, which
 ``--generations`` exercises): the eighth session's prefill."""
@@ -120,8 +120,8 @@ prompt repeats too (``share_prefill=False``; the other engines prefill each dist
 def engine_environment(engine: str, alt_choices: str | None = None):
     """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
     ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
-    ones (read when a layer compiles), per-row shrinks for the ``+shrink_per_row`` ones, the split-KV merge as a
-    second kernel for the ``+two_launch_attention`` ones (read at each call: captured graphs keep it), the table
+    ones (read when a layer compiles), per-row shrinks for the ``+shrink_per_row`` ones, the split-KV merge in
+    the partials launch for the ``+one_launch_attention`` ones (read at each call: captured graphs keep it), the table
     ``alt_choices`` over the kernel choices for the ``+alt_choices`` ones (read at each uncaptured call; captured
     graphs keep the launch); else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
@@ -141,11 +141,12 @@ def engine_environment(engine: str, alt_choices: str | None = None):
     fused_decode.FUSED_SHRINK = shrink and not engine.endswith("+shrink_unfused")
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
-    decode_attention.MERGE_IN_PARTIALS = not engine.endswith("+two_launch_attention")
+    merge_in_partials = decode_attention.MERGE_IN_PARTIALS
+    decode_attention.MERGE_IN_PARTIALS = merge_in_partials or engine.endswith("+one_launch_attention")
     try:
         yield
     finally:
-        decode_attention.MERGE_IN_PARTIALS = True
+        decode_attention.MERGE_IN_PARTIALS = merge_in_partials
         if pdl:
             os.environ.pop("NVFP4_PDL", None)
         fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink

@@ -6,8 +6,8 @@ batch 8 that is few CTAs of mostly masked work (cuDNN: ~14.7 µs per 7B layer on
 ~9 % of a decode step). This kernel ("flash-decoding") gives each (row, key/value head, chunk of the cache) its
 own program, folds the key/value head's query heads into one ``tl.dot``, and skips every chunk past the current
 cache position (a device tensor, so the launch is CUDA-graph capturable). Each program writes its partial softmax
-statistics, and the last program of each row and key/value head to finish merges them exactly into the output (one
-launch; `MERGE_IN_PARTIALS`), or a second kernel does (`launch_merge`, one program per row and key/value head). Left
+statistics, and a second kernel (`launch_merge`, one program per row and key/value head) merges them exactly into
+the output, or (opt-in, `MERGE_IN_PARTIALS`) the last program of each row and key/value head to finish does. Left
 to inductor, the merge (`combine_partials`, plain torch: the tests' reference) became three reduction kernels costing
 more than the partials kernel (H200, 2026-12-02).
 
@@ -39,9 +39,12 @@ __all__ = [
 BLOCK = 32
 """Cache positions per inner step of a program."""
 
-MERGE_IN_PARTIALS = True
-"""`split_kv_attention` in one launch: the last chunk of each (row, key/value head) to finish merges (an arrival
-counter per (row, key/value head) that resets itself, so graph replays need no memset). False: a second kernel."""
+MERGE_IN_PARTIALS = False
+"""True: `split_kv_attention` in one launch, the last chunk of each (row, key/value head) to finish merging (an arrival
+counter per (row, key/value head) that resets itself, so graph replays need no memset). False (default): a second
+kernel merges. Off until it has run on a GPU: built and tested in Triton's interpreter (2026-12-03), where both forms
+agree bit for bit; the session's device time ran out before its GPU tests and timing
+(`bench_rollout.py --engines fused+compile+split_kv+one_launch_attention fused+compile+split_kv`)."""
 
 MIN_STAT = torch.finfo(torch.float32).min
 """The running max before any position (finite, so that ``exp(max - max)`` is 1, never NaN, and below any masked
@@ -135,8 +138,8 @@ def split_kv_attention(
     cache_position: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """``softmax(q·Kᵀ·scaling + mask) @ V`` for ``q[B, H, 1, D]`` over the cache ``[B, KVH, L, D]``, reading only
-    positions ``≤ cache_position[0]``. Returns ``[B, H, 1, D]`` in ``q``'s dtype. One launch, or two with
-    `MERGE_IN_PARTIALS` off (partials, merge); an opaque op, so a compiled layer calls it as it is."""
+    positions ``≤ cache_position[0]``. Returns ``[B, H, 1, D]`` in ``q``'s dtype. Two launches (partials, merge), or
+    one with `MERGE_IN_PARTIALS`; an opaque op, so a compiled layer calls it as it is."""
     out = torch.empty_like(q)
     if MERGE_IN_PARTIALS:
         shape = _partials_shape(q, keys)
