@@ -62,7 +62,7 @@ def _partials_kernel(
         arrived = tl.atomic_add(count_ptr + row_head, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:
             _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, stride_ob, stride_oh,
-                            KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT)  # fmt: skip
+                            KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT, ".cg")  # fmt: skip
             tl.atomic_xchg(count_ptr + row_head, 0, sem="relaxed", scope="gpu")
 
 
@@ -73,17 +73,17 @@ def _merge_kernel(
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr,
 ):  # fmt: skip
     _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, tl.program_id(0), stride_ob, stride_oh,
-                    KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT)  # fmt: skip
+                    KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT, "")  # fmt: skip
 
 
 @triton.jit
 def _merge_row_head(
     acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr, LOAD: tl.constexpr,
 ):  # fmt: skip
-    """Merge one (row, key/value head)'s chunk partials into ``out``. Loads bypass L1 (``.cg``): other programs
-    wrote the partials, in this launch or the one before."""
+    """Merge one (row, key/value head)'s chunk partials into ``out``. ``LOAD``: the loads' cache modifier, ``".cg"``
+    (bypass L1) where other programs of the same launch wrote the partials."""
     row = row_head // KV_HEADS
     kv_head = row_head % KV_HEADS
     heads = tl.arange(0, GROUP_PAD)
@@ -92,18 +92,18 @@ def _merge_row_head(
     first = row_head * SPLITS * GROUP
     stats = first + splits[:, None] * GROUP + heads[None, :]
     valid = (splits[:, None] < SPLITS) & (heads[None, :] < GROUP)
-    overall = tl.max(tl.load(max_ptr + stats, mask=valid, other=MIN_STAT, cache_modifier=".cg"), 0)
+    overall = tl.max(tl.load(max_ptr + stats, mask=valid, other=MIN_STAT, cache_modifier=LOAD), 0)
     numerator = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     denominator = tl.zeros([GROUP_PAD], dtype=tl.float32)
     for split in range(SPLITS):  # one chunk's [GROUP, HEAD_DIM] at a time: all of them would not fit in registers
         offsets = first + split * GROUP + heads
-        weight = tl.exp(tl.load(max_ptr + offsets, mask=heads < GROUP, other=MIN_STAT, cache_modifier=".cg") - overall)
-        denominator += weight * tl.load(sum_ptr + offsets, mask=heads < GROUP, other=0.0, cache_modifier=".cg")
+        weight = tl.exp(tl.load(max_ptr + offsets, mask=heads < GROUP, other=MIN_STAT, cache_modifier=LOAD) - overall)
+        denominator += weight * tl.load(sum_ptr + offsets, mask=heads < GROUP, other=0.0, cache_modifier=LOAD)
         chunk = tl.load(
             acc_ptr + offsets[:, None] * HEAD_DIM + dims[None, :],
             mask=(heads < GROUP)[:, None],
             other=0.0,
-            cache_modifier=".cg",
+            cache_modifier=LOAD,
         )
         numerator += weight[:, None] * chunk
     out = numerator / tl.where(heads < GROUP, denominator, 1.0)[:, None]
