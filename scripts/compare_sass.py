@@ -1,17 +1,22 @@
-"""Whether the CUDA decode kernel's instances compile to the same SASS from a git revision's source and from the
-working tree: a source change that leaves every instance identical changes no timing, so the numbers measured on
-the revision stand. Offline (NVRTC and the cuobjdump Triton bundles; no GPU).
+"""Whether kernels compile to the same SASS from a git revision's source and from the working tree: a source change
+that leaves every instance identical changes no timing, so the numbers measured on the revision stand. Offline (NVRTC,
+Triton's compiler and the cuobjdump Triton bundles; no GPU).
 
-Instances: 1-2 m tiles x 1-2 n tiles x 2/4/8 K warps, plain and LoRA builds (ranks 8, 32, 128), bf16 and fp16,
-sm_80 and sm_90. Exit status 1 if any instance differs.
+``--kernels cuda-mma`` (default): the CUDA decode kernel's instances, 1-2 m tiles x 1-2 n tiles x 2/4/8 K warps, plain
+and LoRA builds (ranks 8, 32, 128), bf16 and fp16, sm_80 and sm_90. ``--kernels split-kv``: the split-KV decode
+attention's Triton kernels (`rollout._split_kv_kernel`) at 7B decode shapes for sm_90, bf16 and fp32, compared by
+opcodes (kernel parameters added or reordered change operands, not instructions), with registers and stack; a
+kernel only the working tree has is listed with its resources. Exit status 1 if any instance differs.
 
 Usage:
     python scripts/compare_sass.py --against 258ccad
+    python scripts/compare_sass.py --kernels split-kv --against 025d468
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import subprocess
 import sys
@@ -23,20 +28,19 @@ import torch
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from _sass import sass_of  # noqa: E402
+from _sass import opcodes, resources_of, sass_of  # noqa: E402
 
 from trl_qerl.nvfp4 import cuda_mma, nvrtc  # noqa: E402
 
 
+def file_at(revision: str, path: Path) -> str:
+    return subprocess.run(["git", "show", f"{revision}:{path.relative_to(ROOT)}"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout  # fmt: skip
+
+
 def source_at(revision: str) -> str:
     """The kernels' source (`cuda_mma.SOURCE_PATHS`, joined as `cuda_mma.source` joins them) at ``revision``."""
-    texts = []
-    for path in cuda_mma.SOURCE_PATHS:
-        relative = f"{revision}:{path.relative_to(ROOT)}"
-        texts.append(
-            subprocess.run(["git", "show", relative], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-        )
-    return "\n".join(texts)
+    return "\n".join(file_at(revision, path) for path in cuda_mma.SOURCE_PATHS)
 
 
 def instructions(cubin: bytes, folder: Path) -> list[str]:
@@ -44,11 +48,9 @@ def instructions(cubin: bytes, folder: Path) -> list[str]:
             for line in sass_of(cubin, folder).splitlines() if ";" in line]  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", required=True, help="git revision whose source to compare with")
-    args = parser.parse_args()
-    before, now = source_at(args.against), cuda_mma.source()
+def compare_cuda_mma(revision: str) -> int:
+    """Differing instances of the CUDA decode kernel."""
+    before, now = source_at(revision), cuda_mma.source()
     folder = Path(tempfile.mkdtemp())
     configs = [cuda_mma.MMAConfig(m, n, k) for m in (1, 2) for n in (1, 2) for k in (2, 4, 8)]
     differing = total = 0
@@ -62,8 +64,83 @@ def main() -> None:
                     if a != b:
                         differing += 1
                         print(f"differs: {name} {arch} ({len(a)} vs {len(b)} instructions)")
-    print(f"{total - differing} of {total} instances identical to {args.against}")
-    sys.exit(1 if differing else 0)
+    print(f"{total - differing} of {total} instances identical to {revision}")
+    return differing
+
+
+def _split_kv_module(revision: str, folder: Path):
+    """`rollout._split_kv_kernel` as it was at ``revision`` (a file of its own: Triton reads a kernel's source)."""
+    from trl_qerl.rollout import _split_kv_kernel
+
+    path = folder / f"_split_kv_kernel_{revision}.py"
+    path.write_text(file_at(revision, Path(_split_kv_kernel.__file__)))
+    spec = importlib.util.spec_from_file_location(f"trl_qerl.rollout._split_kv_kernel_{revision}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
+    """Opcodes and resources of the split-KV kernels compiled for sm_90 at 7B decode shapes (28 query heads over 4
+    key/value heads, head dim 128, 8 chunks), with the arguments ``module``'s kernels take."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def build(kernel, constexprs):
+        names = kernel.arg_names
+        kinds = {"scaling": "fp32", "position_ptr": "*i64", "count_ptr": "*i32", "out_ptr": "*bf16"}
+        for name in names:
+            kinds.setdefault(name, ("*bf16" if name[0] in "qkvm" else "*fp32") if name.endswith("_ptr") else "i32")
+        signature = {name: "constexpr" if name in constexprs else kinds[name] for name in names}
+        constexprs = {name: value for name, value in constexprs.items() if name in names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))  # fmt: skip
+        cubin = compiled.asm["cubin"]
+        return opcodes(sass_of(cubin, folder)), resources_of(cubin, folder)
+
+    shape = dict(KV_HEADS=4, GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SPLITS=8, SPLITS_PAD=8,
+                 MIN_STAT=float(torch.finfo(torch.float32).min))  # fmt: skip
+    builds = {"merge": build(module._merge_kernel, shape)}
+    merges = (False, True) if "MERGE" in module._partials_kernel.arg_names else (False,)
+    for dtype, precision in ((tl.bfloat16, "tf32"), (tl.float32, "ieee")):
+        for merge in merges:
+            constexprs = dict(shape, CHUNK=64, BLOCK=32, DOT_DTYPE=dtype, DOT_PRECISION=precision, MERGE=merge)
+            builds[f"partials {precision}" + (" + merge" if merge else "")] = build(
+                module._partials_kernel, constexprs
+            )
+    return builds
+
+
+def compare_split_kv(revision: str) -> int:
+    """Differing split-KV kernels (by opcodes); kernels new in the working tree are listed, not counted."""
+    from trl_qerl.rollout import _split_kv_kernel
+
+    folder = Path(tempfile.mkdtemp())
+    before, now = (
+        _split_kv_builds(_split_kv_module(revision, folder), folder),
+        _split_kv_builds(_split_kv_kernel, folder),
+    )
+    differing = 0
+    for name, (ops, resources) in now.items():
+        if name not in before:
+            print(f"new: {name}: {len(ops)} instructions, {resources}")
+            continue
+        same = ops == before[name][0]
+        differing += not same
+        print(f"{'same' if same else 'differs'}: {name} ({len(before[name][0])} vs {len(ops)} instructions; "
+              f"{before[name][1]} vs {resources})")  # fmt: skip
+    return differing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", required=True, help="git revision whose source to compare with")
+    parser.add_argument("--kernels", choices=["cuda-mma", "split-kv"], default="cuda-mma")
+    args = parser.parse_args()
+    compare = compare_split_kv if args.kernels == "split-kv" else compare_cuda_mma
+    sys.exit(1 if compare(args.against) else 0)
 
 
 if __name__ == "__main__":
