@@ -4,9 +4,10 @@ Triton's compiler and the cuobjdump Triton bundles; no GPU).
 
 ``--kernels cuda-mma`` (default): the CUDA decode kernel's instances, 1-2 m tiles x 1-2 n tiles x 2/4/8 K warps, plain
 and LoRA builds (ranks 8, 32, 128), bf16 and fp16, sm_80 and sm_90. ``--kernels split-kv``: the split-KV decode
-attention's Triton kernels (`rollout._split_kv_kernel`) at 7B decode shapes for sm_90, bf16 and fp32, compared by
-opcodes (kernel parameters added or reordered change operands, not instructions), with registers and stack; a
-kernel only the working tree has is listed with its resources. Exit status 1 if any instance differs.
+attention's Triton kernels (`rollout._split_kv_kernel`) at 7B decode shapes for sm_90 (bf16 merge; partials for a bf16
+and an fp32 model), compared by opcodes (kernel parameters added or reordered change operands, not instructions),
+with registers and stack; a kernel only the working tree has is listed with its resources. Exit status 1 if any
+instance differs.
 
 Usage:
     python scripts/compare_sass.py --against 258ccad
@@ -80,6 +81,23 @@ def _split_kv_module(revision: str, folder: Path):
     return module
 
 
+ARGUMENT_TYPES = {
+    "q_ptr": "*model",
+    "k_ptr": "*model",
+    "v_ptr": "*model",
+    "mask_ptr": "*model",
+    "position_ptr": "*i64",
+    "acc_ptr": "*fp32",
+    "max_ptr": "*fp32",
+    "sum_ptr": "*fp32",
+    "out_ptr": "*model",
+    "count_ptr": "*i32",
+    "scaling": "fp32",
+}
+"""Types of the split-KV kernels' non-integer arguments as `decode_attention` passes them ("*model": the model's dtype;
+the rest are int32 sizes and strides)."""
+
+
 def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
     """Opcodes and resources of the split-KV kernels compiled for sm_90 at 7B decode shapes (28 query heads over 4
     key/value heads, head dim 128, 8 chunks), with the arguments ``module``'s kernels take."""
@@ -88,12 +106,10 @@ def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[st
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def build(kernel, constexprs):
+    def build(kernel, constexprs, model="*bf16"):
         names = kernel.arg_names
-        kinds = {"scaling": "fp32", "position_ptr": "*i64", "count_ptr": "*i32", "out_ptr": "*bf16"}
-        for name in names:
-            kinds.setdefault(name, ("*bf16" if name[0] in "qkvm" else "*fp32") if name.endswith("_ptr") else "i32")
-        signature = {name: "constexpr" if name in constexprs else kinds[name] for name in names}
+        types = {name: model if kind == "*model" else kind for name, kind in ARGUMENT_TYPES.items()}
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
         constexprs = {name: value for name, value in constexprs.items() if name in names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))  # fmt: skip
@@ -104,12 +120,12 @@ def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[st
                  MIN_STAT=float(torch.finfo(torch.float32).min))  # fmt: skip
     builds = {"merge": build(module._merge_kernel, shape)}
     merges = (False, True) if "MERGE" in module._partials_kernel.arg_names else (False,)
-    for dtype, precision in ((tl.bfloat16, "tf32"), (tl.float32, "ieee")):
+    for dtype, model, name in ((tl.bfloat16, "*bf16", "bf16"), (tl.float32, "*fp32", "fp32")):
         for merge in merges:
+            precision = "ieee" if name == "fp32" else "tf32"
             constexprs = dict(shape, CHUNK=64, BLOCK=32, DOT_DTYPE=dtype, DOT_PRECISION=precision, MERGE=merge)
-            builds[f"partials {precision}" + (" + merge" if merge else "")] = build(
-                module._partials_kernel, constexprs
-            )
+            label = f"partials {name}" + (" + merge" if merge else "")
+            builds[label] = build(module._partials_kernel, constexprs, model)
     return builds
 
 
