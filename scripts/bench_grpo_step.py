@@ -75,8 +75,9 @@ class StepProbe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         row = {"step": state.global_step, "gc_collections": sum(g["collections"] for g in gc.get_stats())}
         if torch.cuda.is_available():
-            row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-            row["malloc_calls"] = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+            stats = torch.cuda.memory_stats()
+            row["alloc_retries"] = stats.get("num_alloc_retries", 0)
+            row["malloc_calls"] = stats.get("segment.all.allocated", 0)
         try:
             from trl_qerl.nvfp4 import kernels
 

@@ -235,15 +235,14 @@ def measure(name, make_call, batch, new_tokens, rows, repeat_first=True, count_t
     return row
 
 
-def decode_alone(full, prefill_only, rows) -> None:
+def decode_alone(full, prefill_only) -> None:
     """Decode step without the call's fixed part: ``(t(n tokens) - t(1 token)) / (n - 1)`` from a full call and a
-    prefill-only call (one new token) of the same path and batch, both timed in this run."""
+    prefill-only call (one new token) of the same path and batch, both timed in this run; added to the full call's
+    row."""
     if full is None or prefill_only is None or full["new_tokens"] < 2:
         return
     ms = 1e3 * (full["seconds"] - prefill_only["seconds"]) / (full["new_tokens"] - 1)
     full |= {"decode_ms_per_step": ms, "prefill_ms": 1e3 * prefill_only["seconds"]}
-    rows.append({"decode_alone": full["backend"], "batch": full["batch"], "decode_ms_per_step": ms,
-                 "prefill_ms": 1e3 * prefill_only["seconds"]})  # fmt: skip
     print(f"|   {full['backend']}: decode step alone {ms:.2f} ms, prefill + first draw "
           f"{1e3 * prefill_only['seconds']:.1f} ms | {full['batch']} | | | |", flush=True)  # fmt: skip
 
@@ -337,7 +336,7 @@ def main() -> None:
         if args.prefill:
             alone = measure(f"{name}, prefill only", hf_generate(model, batch, args.prompt_tokens, 1, vocab, True),
                             batch, 1, rows)  # fmt: skip
-            decode_alone(full, alone, rows)
+            decode_alone(full, alone)
 
     def run_engines(model, label, context):
         for engine in args.engines:
@@ -356,7 +355,7 @@ def main() -> None:
                         alone = measure(f"ours ({engine}), {label}, prefill only", ours(generator, batch,
                                         args.prompt_tokens, 1, vocab, generations=args.generations), batch, 1,
                                         rows)  # fmt: skip
-                        decode_alone(full, alone, rows)
+                        decode_alone(full, alone)
                     if args.profile_prefill:
                         profile_call(ours(generator, batch, args.prompt_tokens, 1, vocab, generations=args.generations),
                                      f"{engine}, {label}, batch {batch}, prefill only", rows)  # fmt: skip

@@ -111,16 +111,21 @@ def _partials_shape(q: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int,
     return batch * kv_heads, splits, heads // kv_heads, head_dim
 
 
+def _partials_buffers(q: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty fp32 ``(acc, maxima, sums)`` for the kernel's partials."""
+    shape = _partials_shape(q, keys)
+    acc = torch.empty(shape, dtype=torch.float32, device=q.device)
+    maxima = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
+    return acc, maxima, torch.empty_like(maxima)
+
+
 @torch.library.custom_op("trl_qerl::split_kv_partials", mutates_args=())
 def split_kv_partials(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
     cache_position: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The kernel's partials ``(acc, maxima, sums)``; an opaque op, so a compiled layer calls it as one launch."""
-    shape = _partials_shape(q, keys)
-    acc = torch.empty(shape, dtype=torch.float32, device=q.device)
-    maxima = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
-    sums = torch.empty_like(maxima)
+    acc, maxima, sums = _partials_buffers(q, keys)
     launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, sums)
     return acc, maxima, sums
 
@@ -142,10 +147,7 @@ def split_kv_attention(
     one with `MERGE_IN_PARTIALS`; an opaque op, so a compiled layer calls it as it is."""
     out = torch.empty_like(q)
     if MERGE_IN_PARTIALS:
-        shape = _partials_shape(q, keys)
-        acc = torch.empty(shape, dtype=torch.float32, device=q.device)
-        maxima = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
-        launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, torch.empty_like(maxima), out)
+        launch_partials(q, keys, values, mask, scaling, cache_position, *_partials_buffers(q, keys), out)
         return out
     acc, maxima, sums = split_kv_partials(q, keys, values, mask, scaling, cache_position)
     launch_merge(acc, maxima, sums, out)
