@@ -400,11 +400,10 @@ class StaticCacheGenerator:
         groups = _prompt_groups(prompts, batch) if self.share_prefill else None
         prompt_len = max(len(p) for p in prompts)
         prefilled = len(groups[0]) if groups else batch
-        capture = (
-            self.capture_prefill and prefilled * _bucket(prompt_len, PREFILL_LENGTH_BUCKET) <= PREFILL_GRAPH_TOKENS
-        )
+        bucketed = _bucket(prompt_len, PREFILL_LENGTH_BUCKET)
+        capture = self.capture_prefill and prefilled * bucketed <= PREFILL_GRAPH_TOKENS
         if capture:
-            prompt_len = _bucket(prompt_len, PREFILL_LENGTH_BUCKET)  # captured shapes repeat across rollouts
+            prompt_len = bucketed  # captured shapes repeat across rollouts
         cache_len = _bucket(prompt_len + params.max_new_tokens, self.length_bucket)
 
         input_ids = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)
