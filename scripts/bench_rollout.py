@@ -91,6 +91,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+split_kv+shrink_per_row": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+alt_choices": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+one_launch_attention": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+split_kv+norm_shrink_before": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+split_kv+shrink_settings": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+eager_prefill": dict(engine="fused", compile=True, capture_prefill=False, **_SPLIT),
            "fused+compile+split_kv+unshared_prefill": dict(engine="fused", compile=True, share_prefill=False,
                                                            capture_prefill=False, **_SPLIT),
@@ -110,20 +112,24 @@ NVFP4 kernel choices of ``--alt-choices`` (a table saved by ``bench_kernels.py -
 for the keys they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process.
 ``+one_launch_attention``: the split-KV attention's partials merged by the partials launch itself
 (`decode_attention.MERGE_IN_PARTIALS` True while that engine captures and runs; the other engines merge with a second
-kernel). ``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per
+kernel). ``+norm_shrink_before``: the norm shrinks of the ninth session (each row in two passes, A loaded after the
+statistics; `_fused_shrink_kernel.NORM_ONE_STEP` 0 and `NORM_ROWS` 1 while that engine captures). ``+shrink_settings``:
+the `_fused_shrink_kernel` settings of ``--shrink-settings`` (``NAME=VALUE,...``) while that engine captures and
+runs. ``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per
 prefill shape up to `fast.PREFILL_GRAPH_TOKENS` tokens). ``+unshared_prefill``: also every row prefilled, rows whose
 prompt repeats too (``share_prefill=False``; the other engines prefill each distinct prompt once, which
 ``--generations`` exercises): the eighth session's prefill."""
 
 
 @contextlib.contextmanager
-def engine_environment(engine: str, alt_choices: str | None = None):
+def engine_environment(engine: str, alt_choices: str | None = None, shrink_settings: str | None = None):
     """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
     ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
     ones (read when a layer compiles), per-row shrinks for the ``+shrink_per_row`` ones, the split-KV merge in
     the partials launch for the ``+one_launch_attention`` ones (read at each call: captured graphs keep it), the table
     ``alt_choices`` over the kernel choices for the ``+alt_choices`` ones (read at each uncaptured call; captured
-    graphs keep the launch); else unchanged."""
+    graphs keep the launch), the shrink kernels' settings for the ``+norm_shrink_before`` and ``+shrink_settings``
+    ones (read at each launch: captured graphs keep them); else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import decode_attention
 
@@ -143,9 +149,15 @@ def engine_environment(engine: str, alt_choices: str | None = None):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS
     decode_attention.MERGE_IN_PARTIALS = merge_in_partials or engine.endswith("+one_launch_attention")
+    settings = _shrink_settings(engine, shrink_settings)
+    saved_settings = {name: getattr(shrink_kernels, name) for name in settings}
+    for name, value in settings.items():
+        setattr(shrink_kernels, name, value)
     try:
         yield
     finally:
+        for name, value in saved_settings.items():
+            setattr(shrink_kernels, name, value)
         decode_attention.MERGE_IN_PARTIALS = merge_in_partials
         if pdl:
             os.environ.pop("NVFP4_PDL", None)
@@ -154,6 +166,21 @@ def engine_environment(engine: str, alt_choices: str | None = None):
         if alternative:
             kernels.CHOOSER.choices.clear()
             kernels.CHOOSER.choices.update(shipped)
+
+
+def _shrink_settings(engine: str, settings: str | None) -> dict[str, int]:
+    """`_fused_shrink_kernel` settings an engine runs with (see `ENGINES`)."""
+    if engine.endswith("+norm_shrink_before"):
+        return {"NORM_ONE_STEP": 0, "NORM_ROWS": 1}
+    if not engine.endswith("+shrink_settings"):
+        return {}
+    if settings is None:
+        raise SystemExit(
+            f"engine {engine!r} needs --shrink-settings NAME=VALUE,... (settings of _fused_shrink_kernel)"
+        )
+    from bench_fused_shrink import parse_settings
+
+    return parse_settings(settings)
 
 
 def category(kernel: str) -> str:
@@ -307,6 +334,8 @@ def main() -> None:
     parser.add_argument("--lora-reduction-rows", type=int, default=None,
                         help="set fused_decode.LORA_REDUCTION_ROWS for this process: up to this many rows the "
                         "compiled step writes LoRA products as fused reductions, above it as matmuls")  # fmt: skip
+    parser.add_argument("--shrink-settings", default=None, metavar="SETTINGS",
+                        help="_fused_shrink_kernel settings (NAME=VALUE,...) of the +shrink_settings engine")  # fmt: skip
     parser.add_argument("--json", default=None)
     parser.add_argument("--choices", default=None, help="save the kernel choices made during the run")
     parser.add_argument("--alt-choices", default=None, metavar="FILE",
@@ -341,7 +370,7 @@ def main() -> None:
     def run_engines(model, label, context):
         for engine in args.engines:
             generator = StaticCacheGenerator(model, **ENGINES[engine])
-            with context(), engine_environment(engine, args.alt_choices):
+            with context(), engine_environment(engine, args.alt_choices, args.shrink_settings):
                 for batch in args.batches:
                     full = measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens,
                                    args.new_tokens, vocab, generations=args.generations), batch, args.new_tokens,

@@ -70,6 +70,25 @@ def _assert_shrink(t, h, lora_a):
 @pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
 @pytest.mark.parametrize("shape", [(1, 200), (3, 1100), (1, 9000)], ids=["1x200", "3x1100", "1x9000"])
 def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, shape):
+    _check_norm_shrink(dtype, residual, ranks, shape)
+
+
+NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0)}
+
+
+@pytest.mark.parametrize("shape", [(3, 1100), (6, 300), (2, 9000)], ids=["3x1100", "6x300", "2x9000"])
+@pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
+def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
+    """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's)
+    and the row in two passes (rows wider than a step always take those)."""
+    from trl_qerl.rollout import _fused_shrink_kernel as kernel
+
+    for name, value in NORM_LAYOUTS[layout].items():
+        monkeypatch.setattr(kernel, name, value)
+    _check_norm_shrink(torch.bfloat16, True, RANKS["odd"], shape)
+
+
+def _check_norm_shrink(dtype, residual, ranks, shape):
     from trl_qerl.rollout._fused_shrink_kernel import norm_shrink
 
     x, res, lora_a = _case(*shape, ranks, dtype)
@@ -178,7 +197,8 @@ def test_row_spans_leave_their_counters_at_zero_for_the_next_launch():
 def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
-    tensor-core shrinks took 228 µs per call on the H200)."""
+    tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
+    first, at 1 to 8 rows per program."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     result = tmp_path / "resources.json"
@@ -187,7 +207,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     resources = json.loads(result.read_text())
-    assert len(resources) == 3
+    assert len(resources) == 7
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
@@ -215,6 +235,18 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
         source = ASTSource(fn=K._silu_mul_shrink_rows_kernel, signature=signature, constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.ROWS_WARPS))
         results[f"silu {rows} {splits}"] = resources_of(compiled.asm["cubin"], folder)
+    arguments = (
+        "x_ptr=*bf16 res_ptr=*bf16 w_ptr=*fp32 a0=*fp32 a1=*fp32 a2=*fp32 s_ptr=*bf16 h_ptr=*bf16 t_ptr=*fp32 "
+        "rows width rank0 rank1 eps=fp32 stride_x stride_res stride_s stride_h stride_t"
+    )
+    for rows, block in ((1, 2), (2, 2), (4, 1), (8, 1)):  # the widest A tile `rank_block` gives at 7B width
+        constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=K.block_k(3584),
+                          ROWS=rows, ONE_STEP=True)  # fmt: skip
+        signature = {name: kind or "i32" for name, _, kind in (a.partition("=") for a in arguments.split())}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        source = ASTSource(fn=K._norm_shrink_kernel, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K._warps(4096)))
+        results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
     return results
 
 
@@ -227,6 +259,25 @@ def test_shrink_benchmark_takes_only_settings_the_kernel_module_has():
     for bad in ("NO_SUCH_SETTING=1", "ROWS_WARPS=four", "ROWS_WARPS"):
         with pytest.raises(SystemExit, match="NAME=INTEGER"):
             parse_settings(bad)
+
+
+def test_rollout_benchmark_engines_set_the_shrink_settings_and_restore_them():
+    """`bench_rollout.py`'s ``+norm_shrink_before`` and ``+shrink_settings`` engines: settings of
+    `_fused_shrink_kernel` while the engine runs, the shipped ones after."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_rollout import engine_environment
+
+    from trl_qerl.rollout import _fused_shrink_kernel as kernel
+
+    shipped = kernel.NORM_ONE_STEP, kernel.NORM_ROWS
+    with engine_environment("fused+compile+split_kv+norm_shrink_before"):
+        assert (kernel.NORM_ONE_STEP, kernel.NORM_ROWS) == (0, 1)
+    with engine_environment("fused+compile+split_kv+shrink_settings", shrink_settings="NORM_ROWS=4"):
+        assert kernel.NORM_ROWS == 4
+    assert (kernel.NORM_ONE_STEP, kernel.NORM_ROWS) == shipped
+    with pytest.raises(SystemExit, match="--shrink-settings"):
+        with engine_environment("fused+compile+split_kv+shrink_settings"):
+            pass
 
 
 def test_ops_pass_opcheck():

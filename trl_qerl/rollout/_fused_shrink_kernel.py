@@ -17,6 +17,13 @@ per row) 4.9 / 7.2 / 11.4 / 16.4 per row at 2 / 4 / 8 / 16 rows, 4.3 / 6.2 / 7.8
 (3,584 long) stay per row: a norm kernel over every row, whose programs each read all rows' whole width once more for
 the statistics, took 5.0-17.1 µs at 2-16 rows against 3.1-8.2. A draft that multiplied ``[16, 64]`` tiles on the
 tensor cores (3xTF32 ``tl.dot``, commit 4bef487) took 12-20 µs at 1-16 rows (not profiled).
+
+A norm row that fits one step (7B: 3,584 columns) is loaded once, and the program's A tile is loaded before the
+row's statistics, so that its latency overlaps them (`NORM_ONE_STEP`). Measured on the H200 (7B, rank 32,
+2026-12-03, `benchmarks/fused_decode/norm_shrink_2026-12-03/`): q/k/v and gate/up norm shrinks 2.5 / 2.5 µs at one
+row (two passes, A loaded after the statistics: 3.3 / 3.2), 4.1 / 4.5 at 8 (5.0 / 5.7); in the decode step at batch
+8, 0.228 against 0.282 ms per step for the 56 launches. Programs of several rows (`NORM_ROWS` 2-8: A read once for
+them) were slower at 2-8 rows (4.0-11.7 µs).
 """
 
 from __future__ import annotations
@@ -54,6 +61,10 @@ ROWS_REGISTERS = 64
 """Bound on the accumulator's registers per thread: ``ROWS x BLOCK_R x BLOCK_K / (32 x ROWS_WARPS)``."""
 ROWS_PROGRAMS = 264
 """Programs a launch over every row aims at (rank blocks x spans)."""
+NORM_ROWS = 1
+"""Rows per program of the norm shrinks (each program reads its A tile once for them)."""
+NORM_ONE_STEP = 1
+"""Rows that fit one ``BLOCK_K`` step (7B: 3,584 of 4,096) load ``x`` once and the A tile before the statistics."""
 
 
 @triton.jit
@@ -111,38 +122,75 @@ def _store_splits(value, targets, mask, partial_ptr, count_ptr, slot, split, off
 
 
 @triton.jit
+def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, eps, columns, ranks,
+                     stride_x, stride_res, stride_s, stride_h, stride_t,
+                     HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ONE_STEP: tl.constexpr):  # fmt: skip
+    """One row's ``h`` (and ``s``, stored by the rank block 0 programs) and its ``BLOCK_R`` shrink sums. With
+    ``ONE_STEP`` the row fits one ``BLOCK_K`` step: ``x`` is loaded once and ``a``, the A tile, was loaded before."""
+    x_row, res_row = x_ptr + row * stride_x, res_ptr + row * stride_res
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if ONE_STEP:
+        inside = columns < width
+        x = _norm_input(x_row, res_row, columns, inside, HAS_RESIDUAL, OUT)
+        inverse = tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)  # torch.rsqrt, as the eager and inductor norms
+        h = _norm_output(x, inverse, w_ptr, s_ptr + row * stride_s, h_ptr + row * stride_h, columns, inside,
+                         HAS_RESIDUAL, OUT)  # fmt: skip
+        acc += tl.sum(a * h.to(tl.float32)[None, :], axis=1)
+    else:
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for start in range(0, width, BLOCK_K):
+            offsets = start + columns
+            inside = offsets < width
+            x = _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL, OUT)
+            squares += x * x
+        inverse = tl.rsqrt(tl.sum(squares, axis=0) / width + eps)
+        for start in range(0, width, BLOCK_K):
+            offsets = start + columns
+            inside = offsets < width
+            x = _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL, OUT)
+            h = _norm_output(x, inverse, w_ptr, s_ptr + row * stride_s, h_ptr + row * stride_h, offsets, inside,
+                             HAS_RESIDUAL, OUT)  # fmt: skip
+            tile = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+            acc += tl.sum(tile * h.to(tl.float32)[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _norm_output(x, inverse, w_ptr, s_row, h_row, offsets, inside, HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr):
+    """``h = round(weight * round(x * inverse))``, stored (with ``s = x``, exact: x holds a rounded sum) by the
+    programs of rank block 0."""
+    if HAS_RESIDUAL and tl.program_id(1) == 0:
+        tl.store(s_row + offsets, x.to(OUT), mask=inside)
+    normed = _round(x * inverse, OUT).to(tl.float32)
+    weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    h = _round(weight * normed, OUT)
+    if tl.program_id(1) == 0:
+        tl.store(h_row + offsets, h, mask=inside)
+    return h
+
+
+@triton.jit
 def _norm_shrink_kernel(
     x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr,
-    width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
+    rows, width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
     HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, ONE_STEP: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_R
     columns = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for start in range(0, width, BLOCK_K):
-        offsets = start + columns
-        inside = offsets < width
-        x = _norm_input(x_ptr + row * stride_x, res_ptr + row * stride_res, offsets, inside, HAS_RESIDUAL, OUT)
-        squares += x * x
-    inverse = tl.rsqrt(tl.sum(squares, axis=0) / width + eps)  # torch.rsqrt, as the eager and inductor norms
     base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
     ranks = tl.arange(0, BLOCK_R)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(0, width, BLOCK_K):
-        offsets = start + columns
-        inside = offsets < width
-        x = _norm_input(x_ptr + row * stride_x, res_ptr + row * stride_res, offsets, inside, HAS_RESIDUAL, OUT)
-        if HAS_RESIDUAL and tl.program_id(1) == 0:
-            tl.store(s_ptr + row * stride_s + offsets, x.to(OUT), mask=inside)  # exact: x holds a rounded sum
-        normed = _round(x * inverse, OUT).to(tl.float32)
-        weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        h = _round(weight * normed, OUT)
-        if tl.program_id(1) == 0:  # one program per row writes the elementwise part
-            tl.store(h_ptr + row * stride_h + offsets, h, mask=inside)
-        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
-        acc += tl.sum(a * h.to(tl.float32)[None, :], axis=1)
-    tl.store(t_ptr + row * stride_t + first + ranks, acc)
+    a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    if ONE_STEP:  # issued first: its latency overlaps the statistics of the rows
+        a = tl.load(base + ranks[:, None] * width + columns[None, :], mask=(columns < width)[None, :], other=0.0)
+    for i in tl.static_range(ROWS):
+        row = tl.program_id(0) * ROWS + i
+        if row < rows:
+            acc = _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, eps, columns, ranks,
+                                   stride_x, stride_res, stride_s, stride_h, stride_t,
+                                   HAS_RESIDUAL, OUT, BLOCK_R, BLOCK_K, ONE_STEP)  # fmt: skip
+            tl.store(t_ptr + row * stride_t + first + ranks, acc)
 
 
 @triton.jit
@@ -270,16 +318,19 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
     columns = block_k(width)
-    block = rank_block(rows, [a.shape[0] for a in lora_a], columns)
+    per_program = min(NORM_ROWS, rows)
+    groups = triton.cdiv(rows, per_program)
+    block = rank_block(groups, [a.shape[0] for a in lora_a], columns)
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     has_residual = residual is not None
     residual = residual if has_residual else x
     s = s if has_residual else h
-    grid = (rows, t.shape[1] // block)
+    grid = (groups, t.shape[1] // block)
     _norm_shrink_kernel[grid](
-        x, residual, weight, a0, a1, a2, s, h, t, width, rank0, rank1, eps,
+        x, residual, weight, a0, a1, a2, s, h, t, rows, width, rank0, rank1, eps,
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
-        HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns, num_warps=_warps(columns),
+        HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns,
+        ROWS=per_program, ONE_STEP=bool(NORM_ONE_STEP) and width <= columns, num_warps=_warps(columns),
     )  # fmt: skip
 
 
