@@ -48,8 +48,16 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--variants", nargs="*", default=[], metavar="DEFINES",
                         help="also time the epilogue built with these -D switches, e.g. NVFP4_DEPTH=2")  # fmt: skip
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the epilogue with every decode-kernel instance the chooser could pick")  # fmt: skip
+    parser.add_argument("--choices", default=None, metavar="FILE",
+                        help="with --sweep: save the fastest instance per launch as LoRA-keyed kernel choices "
+                             "(`KernelChooser.lora_key`), for nvfp4/tuned/")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.choices and not args.sweep:
+        parser.error("--choices needs --sweep")
+    lora_choices = {}
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 64  # one compiled expand per projection group and row count
     config = qwen25_config(args.model)
@@ -79,8 +87,8 @@ def main() -> None:
             def unfused():
                 return unfused_expand(x, list(product().split(rows, dim=1)))
 
-            def epilogue(options=()):
-                choice = kernels.chosen(x, weights)
+            def epilogue(options=(), choice=None):
+                choice = choice or kernels.chosen(x, weights)
                 assert isinstance(choice, cuda_mma.MMAConfig), f"the chooser picked {choice}, not the decode kernel"
                 lora = cuda_mma.LoraInputs(hidden, lora_b, scaling)
                 return cuda_mma.matmul(x, weights, choice, lora=lora, options=options)
@@ -91,15 +99,37 @@ def main() -> None:
             for variant in args.variants:
                 options = nvrtc.define_flags(variant)
                 row[f"epilogue_{variant}_us"] = time_us(lambda o=options: epilogue(o))
+            if args.sweep:
+                row["sweep_us"], row["sweep_configs"] = _sweep(epilogue, m, sum(rows), k)
+                best = min(row["sweep_us"], key=row["sweep_us"].get)
+                key = kernels.KernelChooser.lora_key(x, sum(rows), k, len(rows), args.rank)
+                lora_choices[key] = kernels._choice_to_json(row["sweep_configs"][best])
+                print(
+                    f"  {name}, {m} rows: chosen {row['choice']} {row['epilogue_us']:.1f} µs; fastest with LoRA "
+                    f"{best} {row['sweep_us'][best]:.1f} µs; every instance: "
+                    + ", ".join(f"{c} {t:.1f}" for c, t in sorted(row["sweep_us"].items(), key=lambda i: i[1]))
+                )
             ours = torch.cat(unfused(), dim=1).double()
             row["relative_error_vs_unfused"] = ((epilogue().double() - ours).norm() / ours.norm()).item()
             results.append(row)
             variants = "".join(f" {row[f'epilogue_{variant}_us']:.1f} |" for variant in args.variants)
             print(f"| {name} | {m} | {row['product_us']:.1f} | {row['unfused_us']:.1f} | {row['epilogue_us']:.1f} |"
                   f"{variants} {row['epilogue_us'] / row['unfused_us']:.2f} |", flush=True)  # fmt: skip
+    if args.choices:
+        with open(args.choices, "w") as handle:
+            json.dump(dict(sorted(lora_choices.items())), handle, indent=1)
     if args.json:
+        for row in results:
+            row.pop("sweep_configs", None)
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
+
+
+def _sweep(epilogue, m: int, n: int, k: int) -> tuple[dict[str, float], dict[str, cuda_mma.MMAConfig]]:
+    """µs per call of the LoRA epilogue with every decode-kernel instance the chooser times at these sizes (the
+    chooser times them without LoRA terms), and the instances by name."""
+    configs = {str(c): c for c in cuda_mma.candidate_configs(m, n, k) if cuda_mma.lora_fits(c)}
+    return {name: time_us(lambda c=config: epilogue(choice=c)) for name, config in configs.items()}, configs
 
 
 if __name__ == "__main__":

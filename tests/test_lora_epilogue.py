@@ -200,6 +200,27 @@ def test_lora_lives_in_the_epilogue_only(tmp_path, config, rank):
     assert resources_of(lora, tmp_path)["STACK"] == 0 and resources_of(lora, tmp_path)["LOCAL"] == 0
 
 
+def test_shipped_lora_choices_are_decode_instances_whose_epilogue_fits():
+    """`KernelChooser.lora_key` entries of the shipped tables (timed with the epilogue, `bench_lora_epilogue.py
+    --sweep --choices`): decode-kernel instances with room for the terms, for a plain key the table also has."""
+    import json
+    from pathlib import Path
+
+    tables = sorted((Path(kernels.__file__).parent / "tuned").glob("*.json"))
+    found = 0
+    for table in tables:
+        entries = json.loads(table.read_text())
+        for key, value in entries.items():
+            plain, lora, rank = key.rpartition("|lora")
+            if not lora:
+                continue
+            found += 1
+            config = kernels._choice_from_json(value)
+            assert isinstance(config, cuda_mma.MMAConfig) and cuda_mma.lora_fits(config), key
+            assert int(rank) in cuda_mma.LORA_RANKS and plain in entries, key
+    assert found >= 2
+
+
 # -- on a GPU -------------------------------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -249,6 +270,26 @@ def test_op_adds_the_terms_with_any_kernel_choice(monkeypatch):
         torch.ops.trl_qerl.nvfp4_linear_grouped_lora(
             x, packed, scale, gs, biases, hidden[:, :8], lora_b, list(SCALING)
         )
+
+
+@needs_cuda
+def test_a_lora_keyed_choice_is_taken_for_launches_with_the_epilogue(monkeypatch):
+    from trl_qerl.nvfp4 import kernels as K
+
+    x, weights, biases, hidden, lora_b = _case(1, 1024, torch.bfloat16, "cuda", seed=6)
+    packed, scale, gs = (list(t) for t in zip(*weights))
+    chooser = K.KernelChooser(autotune=False)
+    plain, with_lora = cuda_mma.MMAConfig(1, 1, 2), cuda_mma.MMAConfig(2, 1, 4)
+    chooser.choices[K.KernelChooser.key(x, sum(ROWS), 1024, 3)] = plain
+    monkeypatch.setattr(K, "CHOOSER", chooser)
+    assert chooser.choose_with_lora(x, weights, 16) == plain  # no LoRA-keyed entry: the plain choice
+    chooser.choices[K.KernelChooser.lora_key(x, sum(ROWS), 1024, 3, 16)] = with_lora
+    assert chooser.choose_with_lora(x, weights, 16) == with_lora
+    assert chooser.choose_with_lora(x, weights, 32) == plain  # another rank
+    launched = []
+    monkeypatch.setattr(cuda_mma, "matmul", lambda *args, **kw: launched.append(args[2]) or x.new_zeros(1, 400))
+    torch.ops.trl_qerl.nvfp4_linear_grouped_lora(x, packed, scale, gs, biases, hidden, lora_b, list(SCALING))
+    assert launched == [with_lora]
 
 
 @needs_cuda
