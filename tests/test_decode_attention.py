@@ -207,6 +207,26 @@ def test_compiled_captured_step_with_split_kv_on_cuda():
     assert split.captures == 1
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_compiled_captured_steps_merge_in_the_partials_launch_as_in_a_second_kernel(monkeypatch):
+    """`MERGE_IN_PARTIALS` in a compiled, captured decode step: the same tokens and log-probs, bit for bit, as the
+    two-launch merge, over many replays of one graph (the arrival counters reset themselves)."""
+    from trl_qerl.rollout import decode_attention
+
+    model = tiny_nvfp4_lora_model(torch.bfloat16, DEVICE)
+    prompts = torch.randint(3, 128, (4, 40), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    runs = {}
+    for one_launch in (False, True):
+        monkeypatch.setattr(decode_attention, "MERGE_IN_PARTIALS", one_launch)
+        generator = StaticCacheGenerator(model, engine="fused", compile=True, decode_attention="split_kv")
+        runs[one_launch] = [generator.sample(prompts, params, [1], 0) for _ in range(2)]
+        assert generator.captures == 1
+    for ours in runs[True]:
+        assert ours.completion_ids == runs[False][0].completion_ids
+        assert ours.logprobs == runs[False][0].logprobs
+
+
 def test_the_rollout_package_imports_without_triton():
     """Triton is optional (CPU-only environments such as vLLM's CPU build lack it): importing the decoders must not
     need it, and asking for split-KV attention there logs and uses SDPA."""

@@ -42,9 +42,11 @@ BLOCK = 32
 MERGE_IN_PARTIALS = False
 """True: `split_kv_attention` in one launch, the last chunk of each (row, key/value head) to finish merging (an arrival
 counter per (row, key/value head) that resets itself, so graph replays need no memset). False (default): a second
-kernel merges. Off until it has run on a GPU: built and tested in Triton's interpreter (2026-12-03), where both forms
-agree bit for bit; the session's device time ran out before its GPU tests and timing
-(`bench_rollout.py --engines fused+compile+split_kv+one_launch_attention fused+compile+split_kv`)."""
+kernel merges. Both forms give the same tokens and log-probs bit for bit (Triton's interpreter and a compiled,
+captured step on the H200). Off because it saved nothing (H200, 7B, 2026-12-03, interleaved A/B, `bench_rollout.py
+--engines fused+compile+split_kv fused+compile+split_kv+one_launch_attention ...`): the partials launch grew by about
+what the merge kernel took (batch 1: 0.087 + 0.137 ms -> 0.241 ms per step; batch 8: 0.148 + 0.095 -> 0.248), and
+the decode step stayed at 3.01-3.08 / 3.44-3.47 ms at batch 1 / 8 either way."""
 
 MIN_STAT = torch.finfo(torch.float32).min
 """The running max before any position (finite, so that ``exp(max - max)`` is 1, never NaN, and below any masked
