@@ -123,7 +123,7 @@ def _store_splits(value, targets, mask, partial_ptr, count_ptr, slot, split, off
 
 @triton.jit
 def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, eps, columns, ranks,
-                     stride_x, stride_res, stride_s, stride_h, stride_t,
+                     stride_x, stride_res, stride_s, stride_h,
                      HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                      ONE_STEP: tl.constexpr):  # fmt: skip
     """One row's ``h`` (and ``s``, stored by the rank block 0 programs) and its ``BLOCK_R`` shrink sums. With
@@ -181,14 +181,14 @@ def _norm_shrink_kernel(
     columns = tl.arange(0, BLOCK_K)
     base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
     ranks = tl.arange(0, BLOCK_R)
-    a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)  # (unused in two passes, which load A per step)
     if ONE_STEP:  # issued first: its latency overlaps the statistics of the rows
         a = tl.load(base + ranks[:, None] * width + columns[None, :], mask=(columns < width)[None, :], other=0.0)
     for i in tl.static_range(ROWS):
         row = tl.program_id(0) * ROWS + i
         if row < rows:
             acc = _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, eps, columns, ranks,
-                                   stride_x, stride_res, stride_s, stride_h, stride_t,
+                                   stride_x, stride_res, stride_s, stride_h,
                                    HAS_RESIDUAL, OUT, BLOCK_R, BLOCK_K, ONE_STEP)  # fmt: skip
             tl.store(t_ptr + row * stride_t + first + ranks, acc)
 
