@@ -6,12 +6,15 @@ Triton's compiler and the cuobjdump Triton bundles; no GPU).
 and LoRA builds (ranks 8, 32, 128), bf16 and fp16, sm_80 and sm_90. ``--kernels split-kv``: the split-KV decode
 attention's Triton kernels (`rollout._split_kv_kernel`) at 7B decode shapes for sm_90 (bf16 merge; partials for a bf16
 and an fp32 model), compared by opcodes (kernel parameters added or reordered change operands, not instructions),
-with registers and stack; a kernel only the working tree has is listed with its resources. Exit status 1 if any
-instance differs.
+with registers and stack; a kernel only the working tree has is listed with its resources. ``--kernels fused-shrink``:
+the LoRA shrinks' Triton kernels (`rollout._fused_shrink_kernel`) for sm_90 at 7B widths, rank 32 (the norm shrink
+at one row in one step and in two passes; SiLU·up per row and over every row, whole and split into 4 spans), compared
+the same way. Exit status 1 if any instance differs.
 
 Usage:
     python scripts/compare_sass.py --against 258ccad
     python scripts/compare_sass.py --kernels split-kv --against 025d468
+    python scripts/compare_sass.py --kernels fused-shrink --against HEAD
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton
 
 
 ROOT = Path(__file__).parents[1]
@@ -69,16 +73,45 @@ def compare_cuda_mma(revision: str) -> int:
     return differing
 
 
-def _split_kv_module(revision: str, folder: Path):
-    """`rollout._split_kv_kernel` as it was at ``revision`` (a file of its own: Triton reads a kernel's source)."""
-    from trl_qerl.rollout import _split_kv_kernel
+def _module_at(revision: str, module, folder: Path):
+    """A Triton kernel module of `trl_qerl.rollout` as it was at ``revision`` (a file of its own: Triton reads a
+    kernel's source; its relative imports resolve against today's package)."""
+    name = module.__name__.rpartition(".")[2]
+    path = folder / f"{name}_{revision}.py"
+    path.write_text(file_at(revision, Path(module.__file__)))
+    spec = importlib.util.spec_from_file_location(f"trl_qerl.rollout.{name}_{revision}", path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
 
-    path = folder / f"_split_kv_kernel_{revision}.py"
-    path.write_text(file_at(revision, Path(_split_kv_kernel.__file__)))
-    spec = importlib.util.spec_from_file_location(f"trl_qerl.rollout._split_kv_kernel_{revision}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def _build(kernel, constexprs: dict, types: dict[str, str], folder: Path, num_warps: int = 4):
+    """(opcodes, resources) of ``kernel`` compiled for sm_90: arguments typed by ``types`` (int32 where absent),
+    those in ``constexprs`` (and present in this kernel's signature) fixed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
+    constexprs = {name: value for name, value in constexprs.items() if name in names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))  # fmt: skip
+    cubin = compiled.asm["cubin"]
+    return opcodes(sass_of(cubin, folder)), resources_of(cubin, folder)
+
+
+def _compare_builds(before: dict, now: dict) -> int:
+    """Differing builds (by opcodes); builds new in the working tree are listed, not counted."""
+    differing = 0
+    for name, (ops, resources) in now.items():
+        if name not in before:
+            print(f"new: {name}: {len(ops)} instructions, {resources}")
+            continue
+        same = ops == before[name][0]
+        differing += not same
+        print(f"{'same' if same else 'differs'}: {name} ({len(before[name][0])} vs {len(ops)} instructions; "
+              f"{before[name][1]} vs {resources})")  # fmt: skip
+    return differing
 
 
 ARGUMENT_TYPES = {
@@ -101,20 +134,11 @@ the rest are int32 sizes and strides)."""
 def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
     """Opcodes and resources of the split-KV kernels compiled for sm_90 at 7B decode shapes (28 query heads over 4
     key/value heads, head dim 128, 8 chunks), with the arguments ``module``'s kernels take."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     def build(kernel, constexprs, model="*bf16"):
-        names = kernel.arg_names
         types = {name: model if kind == "*model" else kind for name, kind in ARGUMENT_TYPES.items()}
-        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
-        constexprs = {name: value for name, value in constexprs.items() if name in names}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))  # fmt: skip
-        cubin = compiled.asm["cubin"]
-        return opcodes(sass_of(cubin, folder)), resources_of(cubin, folder)
+        return _build(kernel, constexprs, types, folder)
 
     shape = dict(KV_HEADS=4, GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SPLITS=8, SPLITS_PAD=8,
                  MIN_STAT=float(torch.finfo(torch.float32).min))  # fmt: skip
@@ -134,29 +158,63 @@ def compare_split_kv(revision: str) -> int:
     from trl_qerl.rollout import _split_kv_kernel
 
     folder = Path(tempfile.mkdtemp())
-    before, now = (
-        _split_kv_builds(_split_kv_module(revision, folder), folder),
-        _split_kv_builds(_split_kv_kernel, folder),
-    )
-    differing = 0
-    for name, (ops, resources) in now.items():
-        if name not in before:
-            print(f"new: {name}: {len(ops)} instructions, {resources}")
-            continue
-        same = ops == before[name][0]
-        differing += not same
-        print(f"{'same' if same else 'differs'}: {name} ({len(before[name][0])} vs {len(ops)} instructions; "
-              f"{before[name][1]} vs {resources})")  # fmt: skip
-    return differing
+    before = _split_kv_builds(_module_at(revision, _split_kv_kernel, folder), folder)
+    return _compare_builds(before, _split_kv_builds(_split_kv_kernel, folder))
+
+
+SHRINK_TYPES = {
+    **dict.fromkeys(["x_ptr", "res_ptr", "s_ptr", "h_ptr", "gate_ptr", "up_ptr", "y_ptr"], "*bf16"),
+    **dict.fromkeys(["w_ptr", "a0", "a1", "a2", "t_ptr", "partial_ptr"], "*fp32"),
+    "count_ptr": "*i32",
+    "eps": "fp32",
+}
+"""Types of the fused shrinks' non-integer arguments as `_fused_shrink_kernel` passes them (bf16 model, fp32 norm
+weight and adapters)."""
+
+
+def _fused_shrink_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
+    """Opcodes and resources of the fused shrinks compiled for sm_90 at 7B widths, rank 32, as ``module`` launches
+    them (its own `block_k`, `rows_layout` and warp counts)."""
+    import triton.language as tl
+
+    builds = {}
+    norm = dict(HAS_RESIDUAL=True, OUT=tl.bfloat16, BLOCK_R=2, BLOCK_K=module.block_k(3584))
+    for one_step in (True, False):
+        constexprs = dict(norm, ROWS=1, ONE_STEP=one_step)
+        builds[f"norm, {'one step' if one_step else 'two passes'}"] = _build(
+            module._norm_shrink_kernel, constexprs, SHRINK_TYPES, folder, module._warps(norm["BLOCK_K"])
+        )
+    for splits in (1, 4):
+        constexprs = dict(OUT=tl.bfloat16, BLOCK_R=1, BLOCK_K=module.block_k(18944 // splits), SPLITS=splits)
+        builds[f"silu per row, {splits} spans"] = _build(
+            module._silu_mul_shrink_kernel, constexprs, SHRINK_TYPES, folder, module._warps(constexprs["BLOCK_K"])
+        )
+        padded, block, columns, _ = module.rows_layout(8, 18944, [32])
+        constexprs = dict(OUT=tl.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits)
+        builds[f"silu over 8 rows, {splits} spans"] = _build(
+            module._silu_mul_shrink_rows_kernel, constexprs, SHRINK_TYPES, folder, module.ROWS_WARPS
+        )
+    return builds
+
+
+def compare_fused_shrink(revision: str) -> int:
+    """Differing fused-shrink kernels (by opcodes); kernels new in the working tree are listed, not counted."""
+    from trl_qerl.rollout import _fused_shrink_kernel
+
+    folder = Path(tempfile.mkdtemp())
+    before = _fused_shrink_builds(_module_at(revision, _fused_shrink_kernel, folder), folder)
+    return _compare_builds(before, _fused_shrink_builds(_fused_shrink_kernel, folder))
+
+
+COMPARISONS = {"cuda-mma": compare_cuda_mma, "split-kv": compare_split_kv, "fused-shrink": compare_fused_shrink}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", required=True, help="git revision whose source to compare with")
-    parser.add_argument("--kernels", choices=["cuda-mma", "split-kv"], default="cuda-mma")
+    parser.add_argument("--kernels", choices=list(COMPARISONS), default="cuda-mma")
     args = parser.parse_args()
-    compare = compare_split_kv if args.kernels == "split-kv" else compare_cuda_mma
-    sys.exit(1 if compare(args.against) else 0)
+    sys.exit(1 if COMPARISONS[args.kernels](args.against) else 0)
 
 
 if __name__ == "__main__":

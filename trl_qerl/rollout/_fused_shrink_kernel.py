@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..nvfp4.cuda_mma import arrival_counters
+from ._arrival_kernel import last_to_arrive, reset_arrivals
 
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -111,14 +112,12 @@ def _store_splits(value, targets, mask, partial_ptr, count_ptr, slot, split, off
         tl.store(targets, value, mask=mask)
     else:
         tl.store(partial_ptr + (slot * SPLITS + split) * SIZE + offsets, value)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
+        if last_to_arrive(count_ptr, slot, SPLITS):
             total = tl.zeros_like(value)
             for other in range(SPLITS):
                 total += tl.load(partial_ptr + (slot * SPLITS + other) * SIZE + offsets, cache_modifier=".cg")
             tl.store(targets, total, mask=mask)
-            tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
+            reset_arrivals(count_ptr, slot)
 
 
 @triton.jit

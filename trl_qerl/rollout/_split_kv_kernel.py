@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ..nvfp4.cuda_mma import arrival_counters
+from ._arrival_kernel import last_to_arrive, reset_arrivals
 
 
 @triton.jit
@@ -57,13 +58,11 @@ def _partials_kernel(
     tl.store(acc_ptr + (out + heads)[:, None] * HEAD_DIM + dims[None, :], acc, mask=(heads < GROUP)[:, None])
     tl.store(max_ptr + out + heads, running_max, mask=heads < GROUP)
     tl.store(sum_ptr + out + heads, running_sum, mask=heads < GROUP)
-    if MERGE:  # the last of the row's chunks to arrive merges them all and resets its counter for the next launch
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(count_ptr + row_head, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
+    if MERGE:  # the last of the row's chunks to arrive merges them all
+        if last_to_arrive(count_ptr, row_head, SPLITS):
             _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, stride_ob, stride_oh,
                             KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT, ".cg")  # fmt: skip
-            tl.atomic_xchg(count_ptr + row_head, 0, sem="relaxed", scope="gpu")
+            reset_arrivals(count_ptr, row_head)
 
 
 @triton.jit
