@@ -2,7 +2,9 @@
 
 Each target (sm_75 T4, sm_80 A100, sm_89 L4/RTX 40xx, sm_90 H100/H200) is cross-compiled with Triton's bundled
 toolchain (front end, LLVM, ptxas) for every kernel that `kernels.triton_path` would launch there, one
-representative launch configuration each. Compilation runs in a subprocess per target, because the CPU test
+representative launch configuration each, and for the fused decode step's Triton kernels: the LoRA shrinks made
+with their input (`rollout._fused_shrink_kernel`, wherever the NVFP4 decode kernel takes the LoRA terms: sm_80 on)
+and the split-KV decode attention (`rollout._split_kv_kernel`, on any target when asked for). Compilation runs in a subprocess per target, because the CPU test
 session runs Triton's interpreter (conftest.py), under which `@triton.jit` functions cannot be compiled. As a
 control, the Hopper variant must fail on the older targets, as it did before dispatch existed (fp8e4nv below
 sm_89, `mul.bf16x2` below sm_90): otherwise these compiles would not be testing anything.
@@ -75,6 +77,64 @@ def kernel_specs(path: K.TritonPath) -> dict[str, tuple[str, dict, dict, dict]]:
     return specs
 
 
+def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
+    """label -> spec of the fused decode step's Triton kernels at 7B decode shapes, in the widest 16-bit dtype
+    ``capability`` multiplies in (bf16 from sm_80, else fp16): the norm shrink in one step and in two passes, the
+    SiLU·up shrink over 8 rows in split spans, the split-KV partials (merging in the launch or not) and merge."""
+    from trl_qerl.rollout import _fused_shrink_kernel as shrink
+
+    t = "bf16" if capability >= 80 else "fp16"
+    specs = {}
+    if capability >= 80:
+        norm = _types(f"x_ptr=*{t} res_ptr=*{t} w_ptr=*fp32 a0=*fp32 a1=*fp32 a2=*fp32 s_ptr=*{t} h_ptr=*{t} "
+                      "t_ptr=*fp32 rows width rank0 rank1 eps=fp32 stride_x stride_res stride_s stride_h stride_t")  # fmt: skip
+        for one_step in (True, False):
+            constexprs = {"HAS_RESIDUAL": True, "OUT": _tl(t), "BLOCK_R": 2, "BLOCK_K": 4096, "ROWS": 1,
+                          "ONE_STEP": one_step}  # fmt: skip
+            specs[f"norm shrink {'one step' if one_step else 'two passes'} {t}"] = _spec(
+                "shrink._norm_shrink_kernel", norm, constexprs, {"num_warps": shrink._warps(4096)}
+            )
+        padded, block, columns, _ = shrink.rows_layout(8, 18944, [32])
+        silu = _types(f"gate_ptr=*{t} up_ptr=*{t} a0=*fp32 a1=*fp32 a2=*fp32 y_ptr=*{t} t_ptr=*fp32 "
+                      "partial_ptr=*fp32 count_ptr=*i32 rows width span rank0 rank1 stride_gate stride_up stride_y "
+                      "stride_t")  # fmt: skip
+        specs[f"silu shrink over 8 rows, 4 spans {t}"] = _spec(
+            "shrink._silu_mul_shrink_rows_kernel", silu,
+            {"OUT": _tl(t), "ROWS": padded, "BLOCK_R": block, "BLOCK_K": columns, "SPLITS": 4},
+            {"num_warps": shrink.ROWS_WARPS},
+        )  # fmt: skip
+    shape = {"KV_HEADS": 4, "GROUP": 7, "GROUP_PAD": 16, "HEAD_DIM": 128, "SPLITS": 8, "SPLITS_PAD": 8,
+             "MIN_STAT": float(torch.finfo(torch.float32).min)}  # fmt: skip
+    partials = _types(f"q_ptr=*{t} k_ptr=*{t} v_ptr=*{t} mask_ptr=*{t} position_ptr=*i64 acc_ptr=*fp32 "
+                      f"max_ptr=*fp32 sum_ptr=*fp32 out_ptr=*{t} count_ptr=*i32 scaling=fp32 cache_len stride_qb "
+                      "stride_qh stride_kb stride_kh stride_kl stride_vb stride_vh stride_vl stride_mb stride_ob "
+                      "stride_oh")  # fmt: skip
+    for merge in (False, True):
+        constexprs = {**shape, "CHUNK": 64, "BLOCK": 32, "DOT_DTYPE": _tl(t), "DOT_PRECISION": "tf32",
+                      "MERGE": merge}  # fmt: skip
+        specs[f"split-KV partials{' + merge' if merge else ''} {t}"] = _spec(
+            "split_kv._partials_kernel", partials, constexprs, {"num_warps": 4}
+        )
+    merge_args = _types(f"acc_ptr=*fp32 max_ptr=*fp32 sum_ptr=*fp32 out_ptr=*{t} stride_ob stride_oh")
+    specs[f"split-KV merge {t}"] = _spec("split_kv._merge_kernel", merge_args, shape, {"num_warps": 4})
+    return specs
+
+
+def _tl(name: str):
+    import triton.language as tl
+
+    return {"bf16": tl.bfloat16, "fp16": tl.float16}[name]
+
+
+def _kernel(name: str):
+    """A kernel by name: ``"shrink.<name>"`` / ``"split_kv.<name>"`` in the rollout's kernel modules, else in
+    `nvfp4.kernels`."""
+    from trl_qerl.rollout import _fused_shrink_kernel, _split_kv_kernel
+
+    module, _, kernel = name.rpartition(".")
+    return getattr({"": K, "shrink": _fused_shrink_kernel, "split_kv": _split_kv_kernel}[module], kernel)
+
+
 def _types(arguments: str) -> dict[str, str]:
     """Triton signature types, i32 where none is given: ``"a=*fp32 n"`` -> ``{"a": "*fp32", "n": "i32"}``."""
     return dict((*argument.split("="), "i32")[:2] for argument in arguments.split())
@@ -98,11 +158,11 @@ def compile_for(capability: int) -> dict[str, str]:
     from triton.compiler import ASTSource
 
     path = K.triton_path(divmod(capability, 10))
-    specs = {**kernel_specs(path), **_control_specs(capability)}
+    specs = {**kernel_specs(path), **rollout_specs(capability), **_control_specs(capability)}
     target = GPUTarget("cuda", capability, 32)
     results = {}
     for label, (kernel, signature, constexprs, options) in specs.items():
-        source = ASTSource(fn=getattr(K, kernel), signature=signature, constexprs=constexprs)
+        source = ASTSource(fn=_kernel(kernel), signature=signature, constexprs=constexprs)
         try:
             triton.compile(source, target=target, options=options)
             results[label] = ""
@@ -145,7 +205,7 @@ def test_dispatched_kernels_compile_for_target(compiled, capability):
     results = compiled(capability)
     path = K.triton_path(divmod(capability, 10))
     assert path is not None
-    assert set(kernel_specs(path)) <= set(results)
+    assert set(kernel_specs(path)) | set(rollout_specs(capability)) <= set(results)
     failures = {label: error for label, error in results.items() if error and not label.startswith("control")}
     assert not failures, f"sm_{capability} ({path.name}): {failures}"
     for label, error in results.items():
