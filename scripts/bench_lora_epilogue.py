@@ -100,10 +100,10 @@ def main() -> None:
                 options = nvrtc.define_flags(variant)
                 row[f"epilogue_{variant}_us"] = time_us(lambda o=options: epilogue(o))
             if args.sweep:
-                row["sweep_us"], row["sweep_configs"] = _sweep(epilogue, m, sum(rows), k)
+                row["sweep_us"], configs = _sweep(epilogue, m, sum(rows), k)
                 best = min(row["sweep_us"], key=row["sweep_us"].get)
                 key = kernels.KernelChooser.lora_key(x, sum(rows), k, len(rows), args.rank)
-                lora_choices[key] = kernels._choice_to_json(row["sweep_configs"][best])
+                lora_choices[key] = kernels._choice_to_json(configs[best])
                 print(
                     f"  {name}, {m} rows: chosen {row['choice']} {row['epilogue_us']:.1f} µs; fastest with LoRA "
                     f"{best} {row['sweep_us'][best]:.1f} µs; every instance: "
@@ -119,8 +119,6 @@ def main() -> None:
         with open(args.choices, "w") as handle:
             json.dump(dict(sorted(lora_choices.items())), handle, indent=1)
     if args.json:
-        for row in results:
-            row.pop("sweep_configs", None)
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
 

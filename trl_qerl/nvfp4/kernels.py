@@ -836,13 +836,12 @@ class KernelChooser:
     def choose_with_lora(self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], rank: int) -> Choice:
         """The choice for a launch that adds LoRA terms of ``rank`` in its epilogue: the table's `lora_key` entry
         where it has one (a decode-kernel instance timed with the epilogue), else the plain choice (`chosen`), which
-        is timed without it. Measured on the H200 (7B, rank 32, 2026-12-03): at one row the epilogue makes other
-        instances the fastest for o and gate/up (5.3 vs 5.8 and 29.4 vs 30.8 µs per call)."""
+        is timed without it (callers check `mma_usable`, as for `choose_group`). Measured on the H200 (7B, rank 32,
+        2026-12-03): at one row the epilogue makes other instances the fastest for o and gate/up (5.3 vs 5.8 and
+        29.4 vs 30.8 µs per call)."""
         n = sum(w[0].shape[0] for w in weights)
         tuned = self.choices.get(self.lora_key(x, n, x.shape[1], len(weights), rank))
-        if isinstance(tuned, MMAConfig) and _applies(tuned, x, weights, mma_usable(x, weights)):
-            return tuned
-        return chosen(x, weights)
+        return tuned if isinstance(tuned, MMAConfig) else chosen(x, weights)
 
     @classmethod
     def lora_key(cls, x: torch.Tensor, n: int, k: int, group: int, rank: int) -> str:
