@@ -33,7 +33,7 @@ import triton
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from _sass import opcodes, resources_of, sass_of  # noqa: E402
+from _sass import opcodes, resources_of, rollout_argument_types, sass_of, triton_signature  # noqa: E402
 
 from trl_qerl.nvfp4 import cuda_mma, nvrtc  # noqa: E402
 
@@ -85,15 +85,15 @@ def _module_at(revision: str, module, folder: Path):
     return loaded
 
 
-def _build(kernel, constexprs: dict, types: dict[str, str], folder: Path, num_warps: int = 4):
-    """(opcodes, resources) of ``kernel`` compiled for sm_90: arguments typed by ``types`` (int32 where absent),
-    those in ``constexprs`` (and present in this kernel's signature) fixed."""
+def _build(kernel, constexprs: dict, model: str, folder: Path, num_warps: int = 4):
+    """(opcodes, resources) of ``kernel`` compiled for sm_90: arguments typed as the launchers pass them for a
+    ``model`` ("bf16", "fp32") model (`rollout_argument_types`), those in ``constexprs`` (and present in this
+    kernel's signature) fixed."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = kernel.arg_names
-    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in names}
-    constexprs = {name: value for name, value in constexprs.items() if name in names}
+    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
+    signature = triton_signature(kernel, constexprs, rollout_argument_types(model))
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))  # fmt: skip
     cubin = compiled.asm["cubin"]
@@ -114,42 +114,21 @@ def _compare_builds(before: dict, now: dict) -> int:
     return differing
 
 
-ARGUMENT_TYPES = {
-    "q_ptr": "*model",
-    "k_ptr": "*model",
-    "v_ptr": "*model",
-    "mask_ptr": "*model",
-    "position_ptr": "*i64",
-    "acc_ptr": "*fp32",
-    "max_ptr": "*fp32",
-    "sum_ptr": "*fp32",
-    "out_ptr": "*model",
-    "count_ptr": "*i32",
-    "scaling": "fp32",
-}
-"""Types of the split-KV kernels' non-integer arguments as `decode_attention` passes them ("*model": the model's dtype;
-the rest are int32 sizes and strides)."""
-
-
 def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
     """Opcodes and resources of the split-KV kernels compiled for sm_90 at 7B decode shapes (28 query heads over 4
     key/value heads, head dim 128, 8 chunks), with the arguments ``module``'s kernels take."""
     import triton.language as tl
 
-    def build(kernel, constexprs, model="*bf16"):
-        types = {name: model if kind == "*model" else kind for name, kind in ARGUMENT_TYPES.items()}
-        return _build(kernel, constexprs, types, folder)
-
     shape = dict(KV_HEADS=4, GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SPLITS=8, SPLITS_PAD=8,
                  MIN_STAT=float(torch.finfo(torch.float32).min))  # fmt: skip
-    builds = {"merge": build(module._merge_kernel, shape)}
+    builds = {"merge": _build(module._merge_kernel, shape, "bf16", folder)}
     merges = (False, True) if "MERGE" in module._partials_kernel.arg_names else (False,)
-    for dtype, model, name in ((tl.bfloat16, "*bf16", "bf16"), (tl.float32, "*fp32", "fp32")):
+    for dtype, name in ((tl.bfloat16, "bf16"), (tl.float32, "fp32")):
         for merge in merges:
             precision = "ieee" if name == "fp32" else "tf32"
             constexprs = dict(shape, CHUNK=64, BLOCK=32, DOT_DTYPE=dtype, DOT_PRECISION=precision, MERGE=merge)
             label = f"partials {name}" + (" + merge" if merge else "")
-            builds[label] = build(module._partials_kernel, constexprs, model)
+            builds[label] = _build(module._partials_kernel, constexprs, name, folder)
     return builds
 
 
@@ -162,16 +141,6 @@ def compare_split_kv(revision: str) -> int:
     return _compare_builds(before, _split_kv_builds(_split_kv_kernel, folder))
 
 
-SHRINK_TYPES = {
-    **dict.fromkeys(["x_ptr", "res_ptr", "s_ptr", "h_ptr", "gate_ptr", "up_ptr", "y_ptr"], "*bf16"),
-    **dict.fromkeys(["w_ptr", "a0", "a1", "a2", "t_ptr", "partial_ptr"], "*fp32"),
-    "count_ptr": "*i32",
-    "eps": "fp32",
-}
-"""Types of the fused shrinks' non-integer arguments as `_fused_shrink_kernel` passes them (bf16 model, fp32 norm
-weight and adapters)."""
-
-
 def _fused_shrink_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
     """Opcodes and resources of the fused shrinks compiled for sm_90 at 7B widths, rank 32, as ``module`` launches
     them (its own `block_k`, `rows_layout` and warp counts)."""
@@ -182,17 +151,17 @@ def _fused_shrink_builds(module, folder: Path) -> dict[str, tuple[list[str], dic
     for one_step in (True, False):
         constexprs = dict(norm, ROWS=1, ONE_STEP=one_step)
         builds[f"norm, {'one step' if one_step else 'two passes'}"] = _build(
-            module._norm_shrink_kernel, constexprs, SHRINK_TYPES, folder, module._warps(norm["BLOCK_K"])
+            module._norm_shrink_kernel, constexprs, "bf16", folder, module._warps(norm["BLOCK_K"])
         )
     for splits in (1, 4):
         constexprs = dict(OUT=tl.bfloat16, BLOCK_R=1, BLOCK_K=module.block_k(18944 // splits), SPLITS=splits)
         builds[f"silu per row, {splits} spans"] = _build(
-            module._silu_mul_shrink_kernel, constexprs, SHRINK_TYPES, folder, module._warps(constexprs["BLOCK_K"])
+            module._silu_mul_shrink_kernel, constexprs, "bf16", folder, module._warps(constexprs["BLOCK_K"])
         )
         padded, block, columns, _ = module.rows_layout(8, 18944, [32])
         constexprs = dict(OUT=tl.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits)
         builds[f"silu over 8 rows, {splits} spans"] = _build(
-            module._silu_mul_shrink_rows_kernel, constexprs, SHRINK_TYPES, folder, module.ROWS_WARPS
+            module._silu_mul_shrink_rows_kernel, constexprs, "bf16", folder, module.ROWS_WARPS
         )
     return builds
 

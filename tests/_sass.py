@@ -32,6 +32,28 @@ def resources_of(cubin: bytes, folder: Path) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", text)}
 
 
+def rollout_argument_types(model: str) -> dict[str, str]:
+    """Triton types of the rollout's Triton kernels' (`_split_kv_kernel`, `_fused_shrink_kernel`) non-integer
+    arguments as their launchers pass them: ``model`` ("bf16", "fp16", "fp32") for activations and outputs, fp32 for
+    softmax partials, norm weights, LoRA A matrices, shrink sums and their scratch; every other argument is an int32
+    size or stride."""
+    return {
+        **dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr"], f"*{model}"),
+        **dict.fromkeys(["x_ptr", "res_ptr", "s_ptr", "h_ptr", "gate_ptr", "up_ptr", "y_ptr"], f"*{model}"),
+        **dict.fromkeys(["acc_ptr", "max_ptr", "sum_ptr", "w_ptr", "a0", "a1", "a2", "t_ptr", "partial_ptr"], "*fp32"),
+        "position_ptr": "*i64",
+        "count_ptr": "*i32",
+        "scaling": "fp32",
+        "eps": "fp32",
+    }
+
+
+def triton_signature(kernel, constexprs: dict, types: dict[str, str]) -> dict[str, str]:
+    """`triton.compiler.ASTSource`'s signature of ``kernel``: ``"constexpr"`` for the arguments in ``constexprs``,
+    ``types`` for the others (int32 where absent)."""
+    return {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+
+
 def opcodes(sass: str) -> list[str]:
     """Opcodes in order (predicates dropped)."""
     return [text.split()[1] if text.startswith("@") else text.split()[0]

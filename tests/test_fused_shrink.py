@@ -214,38 +214,29 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
 
 def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
     """``cuobjdump -res-usage`` of `_silu_mul_shrink_rows_kernel` compiled for sm_90 as `_fused_shrink_kernel` launches
-    it at 16 and 8 rows (7B width), with and without spans."""
+    it at 16 and 8 rows (7B width), with and without spans, and of `_norm_shrink_kernel` at 1 to 8 rows per program."""
     import triton
-    from _sass import resources_of
+    from _sass import resources_of, rollout_argument_types, triton_signature
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from trl_qerl.rollout import _fused_shrink_kernel as K
 
-    arguments = (
-        "gate_ptr=*bf16 up_ptr=*bf16 a0=*fp32 a1=*fp32 a2=*fp32 y_ptr=*bf16 t_ptr=*fp32 partial_ptr=*fp32 "
-        "count_ptr=*i32 rows width span rank0 rank1 stride_gate stride_up stride_y stride_t"
-    )
+    def compile_for_hopper(kernel, constexprs, num_warps):
+        signature = triton_signature(kernel, constexprs, rollout_argument_types("bf16"))
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
     results = {}
     for rows, splits in ((16, 2), (8, 1), (8, 4)):
         padded, block, columns, _ = K.rows_layout(rows, 18944, [32])
         constexprs = dict(OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits)
-        signature = {name: kind or "i32" for name, _, kind in (a.partition("=") for a in arguments.split())}
-        signature.update(dict.fromkeys(constexprs, "constexpr"))
-        source = ASTSource(fn=K._silu_mul_shrink_rows_kernel, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.ROWS_WARPS))
+        compiled = compile_for_hopper(K._silu_mul_shrink_rows_kernel, constexprs, K.ROWS_WARPS)
         results[f"silu {rows} {splits}"] = resources_of(compiled.asm["cubin"], folder)
-    arguments = (
-        "x_ptr=*bf16 res_ptr=*bf16 w_ptr=*fp32 a0=*fp32 a1=*fp32 a2=*fp32 s_ptr=*bf16 h_ptr=*bf16 t_ptr=*fp32 "
-        "rows width rank0 rank1 eps=fp32 stride_x stride_res stride_s stride_h stride_t"
-    )
     for rows, block in ((1, 2), (2, 2), (4, 1), (8, 1)):  # the widest A tile `rank_block` gives at 7B width
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=K.block_k(3584),
                           ROWS=rows, ONE_STEP=True)  # fmt: skip
-        signature = {name: kind or "i32" for name, _, kind in (a.partition("=") for a in arguments.split())}
-        signature.update(dict.fromkeys(constexprs, "constexpr"))
-        source = ASTSource(fn=K._norm_shrink_kernel, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K._warps(4096)))
+        compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
     return results
 

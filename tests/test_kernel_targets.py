@@ -81,42 +81,40 @@ def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
     """label -> spec of the fused decode step's Triton kernels at 7B decode shapes, in the widest 16-bit dtype
     ``capability`` multiplies in (bf16 from sm_80, else fp16): the norm shrink in one step and in two passes, the
     SiLU·up shrink over 8 rows in split spans, the split-KV partials (merging in the launch or not) and merge."""
+    from _sass import rollout_argument_types, triton_signature
+
     from trl_qerl.rollout import _fused_shrink_kernel as shrink
 
     t = "bf16" if capability >= 80 else "fp16"
+    types = rollout_argument_types(t)
+
+    def rollout(kernel: str, constexprs: dict, num_warps: int) -> tuple[str, dict, dict, dict]:
+        signature = triton_signature(_kernel(kernel), constexprs, types)
+        return _spec(kernel, signature, constexprs, {"num_warps": num_warps})
+
     specs = {}
     if capability >= 80:
-        norm = _types(f"x_ptr=*{t} res_ptr=*{t} w_ptr=*fp32 a0=*fp32 a1=*fp32 a2=*fp32 s_ptr=*{t} h_ptr=*{t} "
-                      "t_ptr=*fp32 rows width rank0 rank1 eps=fp32 stride_x stride_res stride_s stride_h stride_t")  # fmt: skip
         for one_step in (True, False):
             constexprs = {"HAS_RESIDUAL": True, "OUT": _tl(t), "BLOCK_R": 2, "BLOCK_K": 4096, "ROWS": 1,
                           "ONE_STEP": one_step}  # fmt: skip
-            specs[f"norm shrink {'one step' if one_step else 'two passes'} {t}"] = _spec(
-                "shrink._norm_shrink_kernel", norm, constexprs, {"num_warps": shrink._warps(4096)}
+            specs[f"norm shrink {'one step' if one_step else 'two passes'} {t}"] = rollout(
+                "shrink._norm_shrink_kernel", constexprs, shrink._warps(4096)
             )
         padded, block, columns, _ = shrink.rows_layout(8, 18944, [32])
-        silu = _types(f"gate_ptr=*{t} up_ptr=*{t} a0=*fp32 a1=*fp32 a2=*fp32 y_ptr=*{t} t_ptr=*fp32 "
-                      "partial_ptr=*fp32 count_ptr=*i32 rows width span rank0 rank1 stride_gate stride_up stride_y "
-                      "stride_t")  # fmt: skip
-        specs[f"silu shrink over 8 rows, 4 spans {t}"] = _spec(
-            "shrink._silu_mul_shrink_rows_kernel", silu,
+        specs[f"silu shrink over 8 rows, 4 spans {t}"] = rollout(
+            "shrink._silu_mul_shrink_rows_kernel",
             {"OUT": _tl(t), "ROWS": padded, "BLOCK_R": block, "BLOCK_K": columns, "SPLITS": 4},
-            {"num_warps": shrink.ROWS_WARPS},
-        )  # fmt: skip
+            shrink.ROWS_WARPS,
+        )
     shape = {"KV_HEADS": 4, "GROUP": 7, "GROUP_PAD": 16, "HEAD_DIM": 128, "SPLITS": 8, "SPLITS_PAD": 8,
              "MIN_STAT": float(torch.finfo(torch.float32).min)}  # fmt: skip
-    partials = _types(f"q_ptr=*{t} k_ptr=*{t} v_ptr=*{t} mask_ptr=*{t} position_ptr=*i64 acc_ptr=*fp32 "
-                      f"max_ptr=*fp32 sum_ptr=*fp32 out_ptr=*{t} count_ptr=*i32 scaling=fp32 cache_len stride_qb "
-                      "stride_qh stride_kb stride_kh stride_kl stride_vb stride_vh stride_vl stride_mb stride_ob "
-                      "stride_oh")  # fmt: skip
     for merge in (False, True):
         constexprs = {**shape, "CHUNK": 64, "BLOCK": 32, "DOT_DTYPE": _tl(t), "DOT_PRECISION": "tf32",
                       "MERGE": merge}  # fmt: skip
-        specs[f"split-KV partials{' + merge' if merge else ''} {t}"] = _spec(
-            "split_kv._partials_kernel", partials, constexprs, {"num_warps": 4}
+        specs[f"split-KV partials{' + merge' if merge else ''} {t}"] = rollout(
+            "split_kv._partials_kernel", constexprs, 4
         )
-    merge_args = _types(f"acc_ptr=*fp32 max_ptr=*fp32 sum_ptr=*fp32 out_ptr=*{t} stride_ob stride_oh")
-    specs[f"split-KV merge {t}"] = _spec("split_kv._merge_kernel", merge_args, shape, {"num_warps": 4})
+    specs[f"split-KV merge {t}"] = rollout("split_kv._merge_kernel", shape, 4)
     return specs
 
 
