@@ -47,7 +47,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--variants", nargs="*", default=[], metavar="DEFINES",
-                        help="also time the epilogue built with these -D switches, e.g. NVFP4_DEPTH=2")  # fmt: skip
+                        help="also time the epilogue built with these -D switches, e.g. NVFP4_DEPTH=2 (with --sweep: "
+                        "every instance in each build)")  # fmt: skip
     parser.add_argument("--sweep", action="store_true",
                         help="also time the epilogue with every decode-kernel instance the chooser could pick")  # fmt: skip
     parser.add_argument("--choices", default=None, metavar="FILE",
@@ -102,6 +103,9 @@ def main() -> None:
             if args.sweep:
                 row["sweep_us"], configs = _sweep(epilogue, m, sum(rows), k)
                 best = min(row["sweep_us"], key=row["sweep_us"].get)
+                for variant in args.variants:  # every instance again in each variant's build, for comparison only
+                    times, _ = _sweep(epilogue, m, sum(rows), k, nvrtc.define_flags(variant))
+                    row["sweep_us"] |= {f"{variant}|{name}": t for name, t in times.items()}
                 key = kernels.KernelChooser.lora_key(x, sum(rows), k, len(rows), args.rank)
                 lora_choices[key] = kernels._choice_to_json(configs[best])
                 print(
@@ -123,11 +127,12 @@ def main() -> None:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
 
 
-def _sweep(epilogue, m: int, n: int, k: int) -> tuple[dict[str, float], dict[str, cuda_mma.MMAConfig]]:
+def _sweep(epilogue, m: int, n: int, k: int, options: tuple[str, ...] = ()
+           ) -> tuple[dict[str, float], dict[str, cuda_mma.MMAConfig]]:  # fmt: skip
     """µs per call of the LoRA epilogue with every decode-kernel instance the chooser times at these sizes (the
-    chooser times them without LoRA terms), and the instances by name."""
+    chooser times them without LoRA terms), built with ``options``, and the instances by name."""
     configs = {str(c): c for c in cuda_mma.candidate_configs(m, n, k) if cuda_mma.lora_fits(c)}
-    return {name: time_us(lambda c=config: epilogue(choice=c)) for name, config in configs.items()}, configs
+    return {name: time_us(lambda c=config: epilogue(options, choice=c)) for name, config in configs.items()}, configs
 
 
 if __name__ == "__main__":

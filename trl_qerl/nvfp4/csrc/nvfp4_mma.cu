@@ -37,6 +37,15 @@
 #define NVFP4_DEPTH 1  // 128-column blocks loaded ahead of the one being multiplied (2 and 3 measured no faster)
 #endif
 
+#ifndef NVFP4_MIN_WARPS
+#define NVFP4_MIN_WARPS 0  // > 0: registers capped so that this many warps of the decode kernel fit a multiprocessor
+#endif
+#if NVFP4_MIN_WARPS > 0
+#define DECODE_BOUNDS(KW) __launch_bounds__(32 * (KW), NVFP4_MIN_WARPS / (KW) > 1 ? NVFP4_MIN_WARPS / (KW) : 1)
+#else
+#define DECODE_BOUNDS(KW) __launch_bounds__(32 * (KW))  // (a second argument, even 1, changes ptxas' register choice)
+#endif
+
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -463,7 +472,7 @@ __device__ __forceinline__ bool last_of_split(float (&partial)[KW][TOKENS][ROWS]
 }
 
 template <int MT, int NT, int KW, bool BF16, int LORA_RANK = 0, bool SPLIT_K = false>
-__global__ void __launch_bounds__(32 * KW) nvfp4_mma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
+__global__ void DECODE_BOUNDS(KW) nvfp4_mma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
                                                             u16* __restrict__ out, int ldo, Segments seg,
                                                             LoraTerms lora, SplitK split) {
   constexpr bool PREFETCH_X = NT <= 2;
