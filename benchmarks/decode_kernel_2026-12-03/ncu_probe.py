@@ -9,6 +9,7 @@ import torch
 from trl_qerl.nvfp4 import cuda_mma, kernels
 from trl_qerl.nvfp4.format import quantize
 
+
 torch.manual_seed(0)
 for rows, k in (([18944, 18944], 3584), ([3584], 18944)):
     weights = [tuple(t.cuda() for t in quantize(torch.randn(n, k) * 0.02)) for n in rows]

@@ -37,6 +37,10 @@
 #define NVFP4_DEPTH 1  // 128-column blocks loaded ahead of the one being multiplied (2 and 3 measured no faster)
 #endif
 
+#ifndef NVFP4_TWIDDLED
+#define NVFP4_TWIDDLED 0  // 1: each code word in the bit order of `trl_qerl.nvfp4.twiddle` (an experiment, mma only)
+#endif
+
 #ifndef NVFP4_MIN_WARPS
 #define NVFP4_MIN_WARPS 0  // > 0: registers capped so that this many warps of the decode kernel fit a multiprocessor
 #endif
@@ -207,10 +211,34 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
   return d;
 }
 
+__device__ __forceinline__ u32 rotate_right(u32 q, int r) {
+  u32 d;
+  asm("shf.r.wrap.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(q), "r"(r));
+  return d;
+}
+
 // E2M1 codes of one word -> four 16-bit pairs (c_i, c_{i+4}), i = 0..3, as bf16 (E2M1 * 2^-126) or fp16
-// (E2M1 * 2^-14) bit patterns.
+// (E2M1 * 2^-14) bit patterns. With NVFP4_TWIDDLED: the word's bits are permuted (`trl_qerl.nvfp4.twiddle`) so that
+// a rotation and a mask give each bf16 pair, (c_{2i}, c_{2i+1}): 9 instructions per word instead of ~15, and the
+// activations need no permutation.
 template <bool BF16>
 __device__ __forceinline__ void decode_word(u32 q, u32 (&p)[4]) {
+#if NVFP4_TWIDDLED
+  if (BF16) {
+    const u32 m = 0x81C081C0u;
+    p[0] = q & m;
+    p[1] = rotate_right(q, 4) & m;
+    p[2] = rotate_right(q, 10) & m;
+    p[3] = (rotate_right(q, 14) & 0x80C080C0u) | (rotate_right(q, 22) & 0x01000100u);
+  } else {  // the same bit order; fp16's magnitude sits 3 bits higher, its sign does not
+    const u32 s = 0x80008000u, g = 0x0E000E00u;
+    p[0] = (q & s) | (rotate_right(q, 29) & g);
+    p[1] = (rotate_right(q, 4) & s) | (rotate_right(q, 1) & g);
+    p[2] = (rotate_right(q, 10) & s) | (rotate_right(q, 7) & g);
+    p[3] = (rotate_right(q, 14) & s) | (rotate_right(q, 11) & 0x06000600u) | (rotate_right(q, 19) & 0x08000800u);
+  }
+  return;
+#endif
   const u32 sign = 0x80008000u;
   if (BF16) {
     const u32 magnitude = 0x01C001C0u;
@@ -406,9 +434,11 @@ __device__ __forceinline__ void multiply_block(const uint4 (&w)[MT][2], const u3
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const uint4 xv = activations(nt, word);
-      // activations in the order of the decoded pairs: (x0,x4), (x1,x5), (x2,x6), (x3,x7)
-      const u32 b0 = prmt(xv.x, xv.z, 0x5410u), b1 = prmt(xv.x, xv.z, 0x7632u);
-      const u32 b2 = prmt(xv.y, xv.w, 0x5410u), b3 = prmt(xv.y, xv.w, 0x7632u);
+      // activations in the order of the decoded pairs: (x0,x4), (x1,x5), (x2,x6), (x3,x7); twiddled: as loaded
+      const u32 b0 = NVFP4_TWIDDLED ? xv.x : prmt(xv.x, xv.z, 0x5410u);
+      const u32 b1 = NVFP4_TWIDDLED ? xv.y : prmt(xv.x, xv.z, 0x7632u);
+      const u32 b2 = NVFP4_TWIDDLED ? xv.z : prmt(xv.y, xv.w, 0x5410u);
+      const u32 b3 = NVFP4_TWIDDLED ? xv.w : prmt(xv.y, xv.w, 0x7632u);
       #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma<BF16>(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], b0, b1);
