@@ -2,9 +2,11 @@
 the shipped build on the standard codes, per projection group of a Qwen2.5 layer at decode sizes, in one run
 (CUDA-graph replays, median µs per call).
 
-Columns: ``standard``: the chooser's instance as the fused step launches it (with the LoRA epilogue when ``--rank``
+Columns: ``bf16``: ``F.linear`` with a bf16 weight of the group's fused shape (the issue's baseline); ``standard``:
+the chooser's instance as the fused step launches it (with the LoRA epilogue when ``--rank``
 > 0); ``twiddled``: the same instance on twiddled codes; ``best twiddled``: the fastest decode-kernel instance on
-twiddled codes (every instance the chooser could pick); ratio: best twiddled / standard. ``rel. err``: twiddled
+twiddled codes (every instance the chooser could pick); ratios: best twiddled / standard, standard / bf16 and best
+twiddled / bf16. ``rel. err``: twiddled
 output against the standard one (float64 norm), which differs only in the order of fp32 sums. The question this
 answers: does a load-time bit order that cuts the main loop from ~3.4 to ~2.4 instructions per weight (sm_90 SASS)
 make the products faster?
@@ -41,11 +43,13 @@ def main() -> None:
     config = qwen25_config(args.model)
     results = []
     print(f"Twiddled codes, {args.model} shapes, LoRA r{args.rank}, {torch.cuda.get_device_name()}")
-    print("| group | M | instance | standard µs | twiddled µs | best twiddled | best twiddled µs | ratio | rel. err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| group | M | instance | bf16 µs | standard µs | twiddled µs | best twiddled | best twiddled µs | "
+          "twiddled / standard | standard / bf16 | twiddled / bf16 | rel. err |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (rows, k) in layer_groups(config).items():
         weights = [tuple(t.cuda() for t in quantize(torch.randn(n, k) * 0.02)) for n in rows]
         twiddled = [(twiddle.twiddle(packed), scale, gs) for packed, scale, gs in weights]
+        dense = torch.randn(sum(rows), k, device="cuda", dtype=torch.bfloat16) * 0.02
         lora_b = [torch.randn(n, args.rank, device="cuda") * 0.01 for n in rows] if args.rank else None
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -64,6 +68,7 @@ def main() -> None:
                 return lambda: cuda_mma.matmul(x, codes, instance, lora=lora, options=options)
 
             row = {"group": name, "m": m, "instance": str(choice),
+                   "bf16_us": time_us(lambda: torch.nn.functional.linear(x, dense)),
                    "standard_us": time_us(run(weights, choice)),
                    "twiddled_us": time_us(run(twiddled, choice, TWIDDLED))}  # fmt: skip
             candidates = [c for c in cuda_mma.candidate_configs(m, sum(rows), k) if not lora or cuda_mma.lora_fits(c)]
@@ -73,8 +78,9 @@ def main() -> None:
             standard = run(weights, choice)().double()
             row["relative_error"] = relative_error(standard, run(twiddled, choice, TWIDDLED)())
             results.append(row)
-            print(f"| {name} | {m} | {choice} | {row['standard_us']:.1f} | {row['twiddled_us']:.1f} | {best} | "
-                  f"{row['best_twiddled_us']:.1f} | {row['best_twiddled_us'] / row['standard_us']:.2f} | "
+            standard_us, best_us, bf16_us = row["standard_us"], row["best_twiddled_us"], row["bf16_us"]
+            print(f"| {name} | {m} | {choice} | {bf16_us:.1f} | {standard_us:.1f} | {row['twiddled_us']:.1f} | {best} | "
+                  f"{best_us:.1f} | {best_us / standard_us:.2f} | {standard_us / bf16_us:.2f} | {best_us / bf16_us:.2f} | "
                   f"{row['relative_error']:.1e} |", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as handle:
