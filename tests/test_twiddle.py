@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +149,54 @@ def test_twiddled_build_adds_lora_terms(m):
     standard = cuda_mma.matmul(x, weights, config, lora=lora).double()
     ours = cuda_mma.matmul(x, _twiddled(weights), config, lora=lora, options=TWIDDLED)
     assert relative_error(standard, ours) < TOLERANCE
+
+
+# -- the +twiddle engine of bench_rollout.py ---------------------------------------------------------------------
+def _twiddled_engine(model):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_rollout import TwiddledDecode
+
+    return TwiddledDecode(model, cuda_graph=False, engine="model", compile=False)
+
+
+def _nvfp4_model():
+    from _tiny import tiny_model
+
+    from trl_qerl.quantizer import quantize_model
+
+    return quantize_model(tiny_model("qwen2", dtype=torch.float32))
+
+
+def test_engine_twiddles_codes_only_inside_its_decode_window():
+    """In place (same storage), restored on leaving, also on an error; the decode kernel's builds take the twiddled
+    switch only inside."""
+    model = _nvfp4_model()
+    engine = _twiddled_engine(model)
+    codes = engine.codes()
+    assert codes
+    standard = [packed.clone() for packed in codes]
+    pointers = [packed.data_ptr() for packed in codes]
+    with engine.decode_window():
+        assert all(torch.equal(packed, twiddle.twiddle(before)) for packed, before in zip(codes, standard))
+        assert cuda_mma.EXTRA_BUILD_OPTIONS == TWIDDLED
+    assert cuda_mma.EXTRA_BUILD_OPTIONS == ()
+    with pytest.raises(RuntimeError, match="inside"):
+        with engine.decode_window():
+            raise RuntimeError("inside")
+    assert [packed.data_ptr() for packed in codes] == pointers
+    assert all(torch.equal(packed, before) for packed, before in zip(codes, standard))
+    assert cuda_mma.EXTRA_BUILD_OPTIONS == ()
+
+
+def test_engine_leaves_the_standard_codes_after_a_rollout_and_refuses_wide_batches():
+    from trl_qerl.rollout.fast import SamplingParams
+
+    model = _nvfp4_model()
+    engine = _twiddled_engine(model)
+    standard = [packed.clone() for packed in engine.codes()]
+    engine.generate([[3, 4, 5], [6, 7]], SamplingParams(max_new_tokens=3), eos_token_ids=[1], pad_token_id=0)
+    assert all(torch.equal(packed, before) for packed, before in zip(engine.codes(), standard))
+    with pytest.raises(SystemExit, match="at most"):
+        engine.generate([[3]] * (engine.MAX_ROWS + 1), SamplingParams(max_new_tokens=2), [1], 0)
+    engine.set_twiddled(False)  # the standard arm of the engine's A/B takes any batch
+    engine.generate([[3]] * (engine.MAX_ROWS + 1), SamplingParams(max_new_tokens=2), [1], 0)
