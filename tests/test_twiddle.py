@@ -41,7 +41,7 @@ def _decode(words: torch.Tensor, table) -> torch.Tensor:
 def _kernel_tables(bf16: bool) -> list[list[tuple[int, int]]]:
     """The (rotation, mask) pairs of the kernel's twiddled ``decode_word``, read from its source."""
     source = cuda_mma.SOURCE_PATHS[0].read_text()
-    block = source.split("#if NVFP4_TWIDDLED\n  if (BF16) {")[1].split("return;")[0]
+    block = source.split("#if NVFP4_TWIDDLED\n  if (BF16) {")[1].split("#else")[0]
     branch = block.split("} else {")[0 if bf16 else 1]
     constants = dict(re.findall(r"\b(\w) = (0x[0-9A-F]+)u", branch))
 

@@ -237,8 +237,7 @@ __device__ __forceinline__ void decode_word(u32 q, u32 (&p)[4]) {
     p[2] = (rotate_right(q, 10) & s) | (rotate_right(q, 7) & g);
     p[3] = (rotate_right(q, 14) & s) | (rotate_right(q, 11) & 0x06000600u) | (rotate_right(q, 19) & 0x08000800u);
   }
-  return;
-#endif
+#else
   const u32 sign = 0x80008000u;
   if (BF16) {
     const u32 magnitude = 0x01C001C0u;
@@ -253,6 +252,7 @@ __device__ __forceinline__ void decode_word(u32 q, u32 (&p)[4]) {
     p[1] = ((q << 8) & sign) | ((q << 5) & magnitude);
     p[0] = ((q << 12) & sign) | ((q << 9) & magnitude);
   }
+#endif
 }
 
 // Two FP8 E4M3 block scales (low byte first) -> their fp32 values.
