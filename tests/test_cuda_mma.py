@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import torch
 from _cuda_cases import TOLERANCE, check_every_instance, needs_nvrtc, poisoned_out, quantized, reference
-from _sass import cuobjdump, main_loop
+from _sass import cuobjdump, main_loop, resources_of
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error
@@ -286,3 +286,15 @@ def test_build_failure_falls_back_to_triton_with_one_warning(monkeypatch, caplog
     assert relative_error(reference(x, [weight], [None]), first) < TOLERANCE
     assert torch.equal(first, second)
     assert sum("CUDA decode kernel cannot run" in r.message for r in caplog.records) == 1
+
+
+@needs_nvrtc
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+def test_min_warps_switch_caps_registers(tmp_path):
+    """``-DNVFP4_MIN_WARPS=N`` (a benchmark switch) caps the registers so that N warps fit a multiprocessor: 32 warps
+    (four 8-warp CTAs) leave 65536 / (32 * 32) = 64 registers per thread; the default build (96) is not capped."""
+    name = cuda_mma.MMAConfig(1, 1, 8).name_expression(torch.bfloat16)
+    capped, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", ("-DNVFP4_MIN_WARPS=32",))
+    default, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90")
+    assert resources_of(capped, tmp_path)["REG"] <= 65536 // (32 * 32)
+    assert resources_of(default, tmp_path)["REG"] > 65536 // (32 * 32)
