@@ -169,16 +169,17 @@ class TwiddledDecode(StaticCacheGenerator):
         if not self.twiddled:
             yield
             return
-        codes = self.codes()
-        with torch.no_grad():
-            for packed in codes:
-                packed.copy_(twiddle.twiddle(packed))
+        twiddled = []  # restored on leaving, also if twiddling the next one fails
         try:
+            with torch.no_grad():
+                for packed in self.codes():
+                    packed.copy_(twiddle.twiddle(packed))
+                    twiddled.append(packed)
             with self._builds():
                 yield
         finally:
             with torch.no_grad():
-                for packed in codes:
+                for packed in twiddled:
                     packed.copy_(twiddle.untwiddle(packed))
 
     @contextlib.contextmanager

@@ -200,3 +200,23 @@ def test_engine_leaves_the_standard_codes_after_a_rollout_and_refuses_wide_batch
         engine.generate([[3]] * (engine.MAX_ROWS + 1), SamplingParams(max_new_tokens=2), [1], 0)
     engine.set_twiddled(False)  # the standard arm of the engine's A/B takes any batch
     engine.generate([[3]] * (engine.MAX_ROWS + 1), SamplingParams(max_new_tokens=2), [1], 0)
+
+
+def test_engine_restores_the_codes_it_twiddled_when_twiddling_fails(monkeypatch):
+    model = _nvfp4_model()
+    engine = _twiddled_engine(model)
+    standard = [packed.clone() for packed in engine.codes()]
+    calls = []
+
+    def fails_on_the_second(packed):
+        calls.append(packed)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(packed)
+
+    real = twiddle.twiddle
+    monkeypatch.setattr(twiddle, "twiddle", fails_on_the_second)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with engine.decode_window():
+            pass
+    assert all(torch.equal(packed, before) for packed, before in zip(engine.codes(), standard))
