@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.noise import NormNoise
-from trl_qerl.nvfp4 import cuda_mma, kernels, twiddle
+from trl_qerl.nvfp4 import kernels
 from trl_qerl.nvfp4.linear import NVFP4A16Linear
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rollout import fused_decode
@@ -77,16 +77,17 @@ def ours(generator, batch, prompt_tokens, new_tokens, vocab, eos=(1,), generatio
 
 
 _SDPA, _SPLIT = (
-    dict(decode_attention="sdpa", compact_finished=False),
-    dict(decode_attention="split_kv", compact_finished=False),
+    dict(decode_attention="sdpa", compact_finished=False, twiddled_decode=False),
+    dict(decode_attention="split_kv", compact_finished=False, twiddled_decode=False),
 )
-ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
+ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, twiddled_decode=False),
            "fused": dict(engine="fused", compile=False, **_SDPA),
            "fused+compile": dict(engine="fused", compile=True, **_SDPA),
            "fused+compile+split_kv": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+pdl": dict(engine="fused", compile=True, **_SDPA),
            "fused+compile+split_kv+pdl": dict(engine="fused", compile=True, **_SPLIT),
-           "fused+compile+compact": dict(engine="fused", compile=True, decode_attention="sdpa", compact_finished=True),
+           "fused+compile+compact": dict(engine="fused", compile=True, decode_attention="sdpa", compact_finished=True,
+                                         twiddled_decode=False),
            "fused+compile+split_kv+lora_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+shrink_unfused": dict(engine="fused", compile=True, **_SPLIT),
            "fused+compile+split_kv+shrink_per_row": dict(engine="fused", compile=True, **_SPLIT),
@@ -97,7 +98,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False),
            "fused+compile+split_kv+eager_prefill": dict(engine="fused", compile=True, capture_prefill=False, **_SPLIT),
            "fused+compile+split_kv+unshared_prefill": dict(engine="fused", compile=True, share_prefill=False,
                                                            capture_prefill=False, **_SPLIT),
-           "fused+compile+split_kv+twiddle": dict(engine="fused", compile=True, **_SPLIT),
+           "fused+compile+split_kv+twiddle": dict(engine="fused", compile=True, **{**_SPLIT, "twiddled_decode": True}),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -121,91 +122,28 @@ runs. ``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; t
 prefill shape up to `fast.PREFILL_GRAPH_TOKENS` tokens). ``+unshared_prefill``: also every row prefilled, rows whose
 prompt repeats too (``share_prefill=False``; the other engines prefill each distinct prompt once, which
 ``--generations`` exercises): the eighth session's prefill. ``+twiddle``: the decode steps read the codes in the
-twiddled bit order (`TwiddledDecode`: codes permuted in place for the decode loop only, decode-kernel builds with
-``-DNVFP4_TWIDDLED=1``), at most `TwiddledDecode.MAX_ROWS` rows."""
+twiddled bit order (``twiddled_decode=True``: codes permuted in place for the decode loop only, decode-kernel builds
+with ``-DNVFP4_TWIDDLED=1``, up to `fast.TWIDDLE_MAX_ROWS` rows; the other named engines have it off, ``default``
+has the generator's default, on for bf16 models)."""
 
 
-class TwiddledDecode(StaticCacheGenerator):
-    """The fused engine with every NVFP4 code word in the twiddled bit order (`trl_qerl.nvfp4.twiddle`) while the decode
-    steps run, and the standard order everywhere else (the prefill, training, checkpoints): the codes are permuted in
-    place after the prefill and restored when the decode loop ends, also on an error. The decode step is captured
-    with the decode kernel's twiddled build (`cuda_mma.EXTRA_BUILD_OPTIONS`); its warm-up reads the standard codes,
-    which only the discarded warm-up outputs see. Only the decode kernel reads the twiddled order, so batches must stay
-    at sizes whose products the chooser gives it (up to `MAX_ROWS` rows; the tiled, wgmma and Triton kernels would
-    misread the codes). An experiment for `notes/nvfp4-kernels.md` "Next (after the eleventh session)"."""
-
-    MAX_ROWS = 16
-    TWIDDLED_BUILD = ("-DNVFP4_TWIDDLED=1",)
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.twiddled = True
-        """False: the standard codes and builds (for an A/B in one engine); `set_twiddled` switches."""
-
-    def set_twiddled(self, twiddled: bool) -> None:
-        self.twiddled = twiddled
-        self._states = {}  # (StaticCacheGenerator's captured steps, trl-qerl 2026-12-03): recapture with the builds
-
-    def codes(self) -> list[torch.Tensor]:
-        return [module.weight_packed for module in self.model.modules() if isinstance(module, NVFP4A16Linear)]
-
-    def sample(self, prompts, *args, **kwargs):
-        if self.twiddled and len(prompts) > self.MAX_ROWS:
-            raise SystemExit(f"the +twiddle engine takes at most {self.MAX_ROWS} rows, got {len(prompts)}")
-        return super().sample(prompts, *args, **kwargs)
-
-    def _state(self, *args, **kwargs):
-        with self._builds():
-            return super()._state(*args, **kwargs)
-
-    def _decode(self, state, rows, params):
-        with self.decode_window():
-            return super()._decode(state, rows, params)
-
-    @contextlib.contextmanager
-    def decode_window(self):
-        """Codes twiddled in place and twiddled builds while inside (both restored on leaving); nothing if not
-        `twiddled`. `profile_step` profiles a step inside it too."""
-        if not self.twiddled:
-            yield
-            return
-        twiddled = []  # restored on leaving, also if twiddling the next one fails
-        try:
-            with torch.no_grad():
-                for packed in self.codes():
-                    packed.copy_(twiddle.twiddle(packed))
-                    twiddled.append(packed)
-            with self._builds():
-                yield
-        finally:
-            with torch.no_grad():
-                for packed in twiddled:
-                    packed.copy_(twiddle.untwiddle(packed))
-
-    @contextlib.contextmanager
-    def _builds(self):
-        saved = cuda_mma.EXTRA_BUILD_OPTIONS
-        cuda_mma.EXTRA_BUILD_OPTIONS = saved + self.TWIDDLED_BUILD if self.twiddled else saved
-        try:
-            yield
-        finally:
-            cuda_mma.EXTRA_BUILD_OPTIONS = saved
-
-
-def twiddled_agreement(generator: TwiddledDecode, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
-    """Greedy tokens of the same prompts with the standard and the twiddled codes, one engine: the share of identical
-    tokens and the first step that differs (products differ only in the order of fp32 sums, so the first tokens
-    agree unless a tie flips; a kernel misreading the twiddled codes would agree with almost nothing)."""
+def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
+    """Greedy tokens of the same prompts from ``engine`` with its codes twiddled and a copy of it without: the share of
+    identical tokens, the first step that differs per row, and the largest log-prob difference of a token both drew
+    before any difference (products differ only in the order of fp32 sums, so the first tokens agree unless a tie
+    flips; a kernel misreading the twiddled codes would agree with almost nothing)."""
     prompts = torch.randint(3, vocab, (batch, prompt_tokens)).tolist()
     params = SamplingParams(max_new_tokens=steps, temperature=0.0)
-    outputs = []
-    for twiddled in (False, True):
-        generator.set_twiddled(twiddled)
-        outputs.append(generator.generate(prompts, params, eos_token_ids=[1], pad_token_id=0))
-    generator.set_twiddled(True)
-    pairs = [(a, b) for standard, twiddled in zip(*outputs) for a, b in zip(standard, twiddled)]
-    first = [next((i for i, (a, b) in enumerate(zip(s, t)) if a != b), None) for s, t in zip(*outputs)]
-    return {"identical": sum(a == b for a, b in pairs) / max(len(pairs), 1), "first_difference": first}
+    samples = [StaticCacheGenerator(model, **{**ENGINES[engine], "twiddled_decode": twiddled}).sample(
+               prompts, params, eos_token_ids=[1], pad_token_id=0) for twiddled in (False, True)]  # fmt: skip
+    standard, twiddled = (sample.completion_ids for sample in samples)
+    standard_lp, twiddled_lp = (sample.logprobs for sample in samples)
+    first = [next((i for i, (a, b) in enumerate(zip(s, t)) if a != b), None) for s, t in zip(standard, twiddled)]
+    pairs = [(a, b) for s, t in zip(standard, twiddled) for a, b in zip(s, t)]
+    gaps = [abs(a - b) for row, (s_lp, t_lp) in enumerate(zip(standard_lp, twiddled_lp))
+            for a, b in list(zip(s_lp, t_lp))[: first[row]]]  # fmt: skip
+    return {"identical": sum(a == b for a, b in pairs) / max(len(pairs), 1), "first_difference": first,
+            "max_logprob_gap": max(gaps, default=0.0)}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -297,7 +235,7 @@ def profile_step(generator, label, rows):
     position = int(state.cache_position)
     state.cache_position.fill_(position - 2)  # stay inside the cache and the output buffers
     state.step_index.fill_(1)
-    with getattr(generator, "decode_window", contextlib.nullcontext)():  # (the +twiddle engine's codes and builds)
+    with generator._twiddled(state):  # (the codes and builds the step was captured for; private, trl-qerl 2026-12-03)
         state.step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -457,14 +395,15 @@ def main() -> None:
 
     def run_engines(model, label, context):
         for engine in args.engines:
-            twiddled = engine.endswith("+twiddle")
-            generator = (TwiddledDecode if twiddled else StaticCacheGenerator)(model, **ENGINES[engine])
+            twiddled = ENGINES[engine].get("twiddled_decode")
+            generator = StaticCacheGenerator(model, **ENGINES[engine])
             with context(), engine_environment(engine, args.alt_choices, args.shrink_settings):
-                if twiddled:
-                    agreement = twiddled_agreement(generator, max(args.batches), args.prompt_tokens, vocab)
+                if twiddled and any(isinstance(module, NVFP4A16Linear) for module in model.modules()):
+                    agreement = twiddled_agreement(model, engine, max(args.batches), args.prompt_tokens, vocab)
                     rows.append({"backend": f"ours ({engine}), {label}", "greedy_agreement": agreement})
                     print(f"{engine}, {label}: greedy tokens with twiddled vs standard codes: "
-                          f"{agreement['identical']:.1%} identical; first difference per row {agreement['first_difference']}",
+                          f"{agreement['identical']:.1%} identical; first difference per row {agreement['first_difference']}; "
+                          f"largest log-prob gap before it {agreement['max_logprob_gap']:.2e}",
                           flush=True)  # fmt: skip
                 for batch in args.batches:
                     full = measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens,

@@ -5,14 +5,17 @@ Without a GPU: the permutation round-trips; the kernel's decode formulas, emulat
 turn twiddled words into the bf16 and fp16 bit patterns of the pairs (c_{2i}, c_{2i+1}); the sm_90 build's main
 loop has fewer instructions and no activation permutes. On a GPU: the twiddled build with twiddled codes against the
 float64 reference of the standard codes, with and without LoRA terms, bf16 and fp16.
+
+The window (`twiddle.twiddled_codes`): the in-place pass (Triton, against the torch permutation), restoring on
+leaving and on errors, standard-order readers refusing twiddled codes; the fast rollout engine's use of it, its
+fallback, and on a GPU its greedy tokens against the standard order.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -151,72 +154,169 @@ def test_twiddled_build_adds_lora_terms(m):
     assert relative_error(standard, ours) < TOLERANCE
 
 
-# -- the +twiddle engine of bench_rollout.py ---------------------------------------------------------------------
-def _twiddled_engine(model):
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from bench_rollout import TwiddledDecode
-
-    return TwiddledDecode(model, cuda_graph=False, engine="model", compile=False)
+# -- the in-place pass and the window ----------------------------------------------------------------------------
+def _random_codes(rows=33, columns=24, seed=0):
+    return torch.randint(0, 256, (rows, columns), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def _nvfp4_model():
+@pytest.mark.parametrize("inverse", [False, True], ids=["twiddle", "untwiddle"])
+def test_the_triton_pass_permutes_as_the_reference(inverse):
+    """Triton's pass (the interpreter here, compiled on a GPU) over 12 rotation groups equals `twiddle`/`untwiddle`,
+    in place; more words than one program's block, and a ragged last block."""
+    from trl_qerl.nvfp4._twiddle_kernel import BLOCK, permute_bits_
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    packed = _random_codes(rows=BLOCK // 4 + 3, columns=20).to(device)
+    expected = (twiddle.untwiddle if inverse else twiddle.twiddle)(packed.cpu())
+    pointer = packed.data_ptr()
+    sources = twiddle._untwiddle_sources() if inverse else twiddle._twiddle_sources()
+    assert len(twiddle._rotation_groups(sources)) == 12
+    permute_bits_(packed.view(torch.int32), twiddle._rotation_groups(sources))
+    assert packed.data_ptr() == pointer
+    assert torch.equal(packed.cpu(), expected)
+
+
+def test_permute_in_place_round_trips():
+    packed = _random_codes()
+    before, pointer = packed.clone(), packed.data_ptr()
+    assert twiddle.permute_(packed) is packed and packed.data_ptr() == pointer
+    assert torch.equal(packed, twiddle.twiddle(before))
+    twiddle.permute_(packed, inverse=True)
+    assert torch.equal(packed, before)
+    with pytest.raises(ValueError, match="contiguous"):
+        twiddle.permute_(_random_codes(columns=8).t())
+
+
+def test_the_window_twiddles_in_place_and_restores_on_leaving_and_on_errors():
+    codes = [_random_codes(seed=seed) for seed in range(3)]
+    standard = [packed.clone() for packed in codes]
+    assert not twiddle.active()
+    with twiddle.twiddled_codes(codes):
+        assert twiddle.active()
+        assert all(torch.equal(packed, twiddle.twiddle(before)) for packed, before in zip(codes, standard))
+        with pytest.raises(RuntimeError, match="reentrant"):
+            with twiddle.twiddled_codes(codes):
+                pass
+        assert twiddle.active()  # (the refused inner window changed nothing)
+    assert not twiddle.active()
+    assert all(torch.equal(packed, before) for packed, before in zip(codes, standard))
+    with pytest.raises(KeyError, match="inside"):
+        with twiddle.twiddled_codes(codes):
+            raise KeyError("inside")
+    assert not twiddle.active()
+    assert all(torch.equal(packed, before) for packed, before in zip(codes, standard))
+
+
+def test_the_window_restores_the_codes_it_twiddled_when_twiddling_fails(monkeypatch):
+    codes = [_random_codes(seed=seed) for seed in range(3)]
+    standard = [packed.clone() for packed in codes]
+    real, calls = twiddle.permute_, []
+
+    def fails_on_the_second(packed, inverse=False):
+        calls.append(inverse)
+        if calls.count(False) == 2 and not inverse:
+            raise RuntimeError("out of memory")
+        return real(packed, inverse)
+
+    monkeypatch.setattr(twiddle, "permute_", fails_on_the_second)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with twiddle.twiddled_codes(codes):
+            pass
+    assert calls == [False, False, True]  # the first restored, the second never changed, the third never reached
+    assert not twiddle.active()
+    assert all(torch.equal(packed, before) for packed, before in zip(codes, standard))
+
+
+def test_standard_order_readers_refuse_twiddled_codes():
+    """Inside the window, dequantisation (Triton or torch), the reference kernels and any product the CUDA decode
+    kernel does not serve raise instead of reading permuted bits as if they were standard."""
+    from trl_qerl.nvfp4 import dispatch, kernels
+
+    generator = torch.Generator().manual_seed(3)
+    packed, scale, global_scale = quantized(32, 64, generator, device="cpu")
+    x = torch.randn(2, 64, generator=generator)
+    with twiddle.twiddled_codes([packed]):
+        for read in (
+            lambda: kernels._dense(packed, scale, global_scale, torch.float32),
+            lambda: dispatch.REFERENCE_KERNELS.linear(x, packed, scale, global_scale),
+            lambda: dispatch.REFERENCE_KERNELS.grad_input(x[:, :32], packed, scale, global_scale),
+            lambda: kernels.CHOOSER._twiddled_choice(x, [(packed, scale, global_scale)], "key"),  # (no decode kernel)
+            lambda: kernels.run(x, packed, scale, global_scale, kernels.DEQUANT_CUBLAS),
+        ):
+            with pytest.raises(twiddle.TwiddledCodesError, match="standard order"):
+                read()
+    kernels._dense(packed, scale, global_scale, torch.float32)  # outside: reads as before
+
+
+# -- the fast rollout engine's decode window ----------------------------------------------------------------------
+def _nvfp4_model(dtype=torch.float32):
     from _tiny import tiny_model
 
     from trl_qerl.quantizer import quantize_model
 
-    return quantize_model(tiny_model("qwen2", dtype=torch.float32))
+    return quantize_model(tiny_model("qwen2", dtype=dtype))
 
 
-def test_engine_twiddles_codes_only_inside_its_decode_window():
-    """In place (same storage), restored on leaving, also on an error; the decode kernel's builds take the twiddled
-    switch only inside."""
-    model = _nvfp4_model()
-    engine = _twiddled_engine(model)
-    codes = engine.codes()
-    assert codes
-    standard = [packed.clone() for packed in codes]
-    pointers = [packed.data_ptr() for packed in codes]
-    with engine.decode_window():
-        assert all(torch.equal(packed, twiddle.twiddle(before)) for packed, before in zip(codes, standard))
-        assert cuda_mma.EXTRA_BUILD_OPTIONS == TWIDDLED
-    assert cuda_mma.EXTRA_BUILD_OPTIONS == ()
-    with pytest.raises(RuntimeError, match="inside"):
-        with engine.decode_window():
-            raise RuntimeError("inside")
-    assert [packed.data_ptr() for packed in codes] == pointers
-    assert all(torch.equal(packed, before) for packed, before in zip(codes, standard))
-    assert cuda_mma.EXTRA_BUILD_OPTIONS == ()
+GREEDY_16 = dict(max_new_tokens=16, temperature=0.0)
 
 
-def test_engine_leaves_the_standard_codes_after_a_rollout_and_refuses_wide_batches():
-    from trl_qerl.rollout.fast import SamplingParams
+def test_engine_on_cpu_keeps_the_standard_order(caplog):
+    """``twiddled_decode`` needs CUDA: by default nothing is said; asked for, one warning, then standard decoding."""
+    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
 
     model = _nvfp4_model()
-    engine = _twiddled_engine(model)
-    standard = [packed.clone() for packed in engine.codes()]
-    engine.generate([[3, 4, 5], [6, 7]], SamplingParams(max_new_tokens=3), eos_token_ids=[1], pad_token_id=0)
-    assert all(torch.equal(packed, before) for packed, before in zip(engine.codes(), standard))
-    with pytest.raises(SystemExit, match="at most"):
-        engine.generate([[3]] * (engine.MAX_ROWS + 1), SamplingParams(max_new_tokens=2), [1], 0)
-    engine.set_twiddled(False)  # the standard arm of the engine's A/B takes any batch
-    engine.generate([[3]] * (engine.MAX_ROWS + 1), SamplingParams(max_new_tokens=2), [1], 0)
+    prompts, params = [[3, 4, 5], [6, 7]], SamplingParams(**GREEDY_16)
+    standard = StaticCacheGenerator(model, cuda_graph=False, engine="fused").generate(prompts, params, [1], 0)
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.fast"):
+        asked = StaticCacheGenerator(model, cuda_graph=False, engine="fused", twiddled_decode=True)
+        assert asked.generate(prompts, params, [1], 0) == standard
+        assert asked.generate(prompts, params, [1], 0) == standard
+    warnings = [r.message for r in caplog.records if "twiddled_decode" in r.message]
+    assert len(warnings) == 1 and "needs CUDA" in warnings[0]
 
 
-def test_engine_restores_the_codes_it_twiddled_when_twiddling_fails(monkeypatch):
+def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_twiddled_one(monkeypatch, caplog):
+    """A decode window whose step meets a standard-order reader (here every product: CPU reference kernels) raises
+    inside; the generator restores the codes, logs once, and returns what standard decoding returns."""
+    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+
     model = _nvfp4_model()
-    engine = _twiddled_engine(model)
-    standard = [packed.clone() for packed in engine.codes()]
-    calls = []
+    prompts, params = [[3, 4, 5], [6, 7]], SamplingParams(**GREEDY_16)
+    standard = StaticCacheGenerator(model, cuda_graph=False, engine="fused").generate(prompts, params, [1], 0)
+    generator = StaticCacheGenerator(model, cuda_graph=False, engine="fused")
+    codes = [packed.clone() for packed in generator.nvfp4_codes()]
+    monkeypatch.setattr(StaticCacheGenerator, "_twiddles", lambda self, batch: self._twiddle_off is None)
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.fast"):
+        assert generator.generate(prompts, params, [1], 0) == standard
+        assert generator.generate(prompts, params, [1], 0) == standard
+    warnings = [r.message for r in caplog.records if "standard order from now on" in r.message]
+    assert len(warnings) == 1 and "twiddled now" in warnings[0]
+    assert not twiddle.active()
+    assert all(torch.equal(packed, before) for packed, before in zip(generator.nvfp4_codes(), codes))
 
-    def fails_on_the_second(packed):
-        calls.append(packed)
-        if len(calls) == 2:
-            raise RuntimeError("out of memory")
-        return real(packed)
 
-    real = twiddle.twiddle
-    monkeypatch.setattr(twiddle, "twiddle", fails_on_the_second)
-    with pytest.raises(RuntimeError, match="out of memory"):
-        with engine.decode_window():
-            pass
-    assert all(torch.equal(packed, before) for packed, before in zip(engine.codes(), standard))
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 8])
+def test_engine_decodes_twiddled_codes_as_the_standard_order(rows):
+    """On a GPU, bf16: the captured, compiled step with the codes twiddled (its state says so, nothing fell back)
+    draws the same greedy tokens as with the standard order, with log-probs equal up to the order of fp32 sums; the
+    codes are standard again after each rollout. The LM head is scaled so that greedy choices are not near-ties."""
+    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+
+    model = _nvfp4_model(torch.bfloat16).cuda()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    prompts = torch.randint(3, 128, (rows, 7), generator=torch.Generator().manual_seed(rows)).tolist()
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    standard_engine = StaticCacheGenerator(model, twiddled_decode=False)
+    twiddled_engine = StaticCacheGenerator(model)  # the default: on for bf16 NVFP4 models on CUDA
+    codes = [packed.clone() for packed in twiddled_engine.nvfp4_codes()]
+    standard = standard_engine.sample(prompts, params, [1], 0)
+    for _ in range(2):  # the second replays the captured step
+        ours = twiddled_engine.sample(prompts, params, [1], 0)
+        assert next(iter(twiddled_engine._states.values())).twiddled and twiddled_engine._twiddle_off is None
+        assert ours.completion_ids == standard.completion_ids
+        gaps = [abs(a - b) for row, theirs in zip(ours.logprobs, standard.logprobs) for a, b in zip(row, theirs)]
+        assert max(gaps) < 0.05, max(gaps)
+        assert all(torch.equal(packed, before) for packed, before in zip(twiddled_engine.nvfp4_codes(), codes))
+    assert not next(iter(standard_engine._states.values())).twiddled

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import nvrtc
+from . import nvrtc, twiddle
 
 
 SOURCE_PATHS = (Path(__file__).parent / "csrc" / "nvfp4_mma.cu", Path(__file__).parent / "csrc" / "nvfp4_wgmma.cu")
@@ -316,16 +316,11 @@ def matmul(
     ]  # fmt: skip
     programmatic = programmatic_launch(x.device)
     name = config.name_expression(x.dtype, lora_rank=lora.rank if lora is not None else 0)
-    flags = options + EXTRA_BUILD_OPTIONS
+    flags = options + (twiddle.TWIDDLED_BUILD if twiddle.active() else ())  # (captured graphs keep their build)
     build = kernel(name, x.dtype, x.device, flags + PDL_BUILD if programmatic else flags)
     build.launch(grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic)
     return out
 
-
-EXTRA_BUILD_OPTIONS: tuple[str, ...] = ()
-"""NVRTC flags added to every build of the decode kernel that `matmul` launches: empty in use; benchmarks set it while
-an engine captures and runs (``-DNVFP4_TWIDDLED=1`` with the codes twiddled in place, `bench_rollout.py`'s
-``+twiddle`` engine). Captured graphs keep the build they were captured with."""
 
 PDL_BUILD = ("-DNVFP4_PDL=1",)
 """NVRTC flags of the build that waits for the previous kernel itself (csrc/nvfp4_mma.cu, "Programmatic Dependent

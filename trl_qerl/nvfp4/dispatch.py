@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import twiddle
 from .format import dequantize
 from .lora_terms import add_lora_terms
 
@@ -60,10 +61,12 @@ class NVFP4Kernels:
 
 
 def _reference_linear(x, weight_packed, weight_scale, weight_global_scale):
+    twiddle.check_standard_order("the reference NVFP4 product")
     return F.linear(x, dequantize(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype))
 
 
 def _reference_grad_input(grad_out, weight_packed, weight_scale, weight_global_scale):
+    twiddle.check_standard_order("the reference NVFP4 input gradient")
     return grad_out @ dequantize(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
 
 

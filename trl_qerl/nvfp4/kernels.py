@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cuda_mma, cuda_wgmma, nvrtc
+from . import cuda_mma, cuda_wgmma, nvrtc, twiddle
 from .cuda_mma import MMAConfig, TileConfig
 from .cuda_wgmma import WgmmaConfig
 from .format import dequantize
@@ -796,6 +796,8 @@ class KernelChooser:
         n = weight_packed.shape[0]
         key = self.key(x, n, k)
         weights = [(weight_packed, weight_scale, weight_global_scale)]
+        if twiddle.active():
+            return self._twiddled_choice(x, weights, key)
         mma = mma_usable(x, weights)
         known = self.choices.get(key)
         if known is not None and _applies(known, x, weights, mma):
@@ -815,6 +817,8 @@ class KernelChooser:
         m, k = x.shape
         n = sum(w[0].shape[0] for w in weights)
         key = self.key(x, n, k, len(weights))
+        if twiddle.active():
+            return self._twiddled_choice(x, weights, key)
         if key in self.choices:
             return self.choices[key]
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -842,6 +846,31 @@ class KernelChooser:
         n = sum(w[0].shape[0] for w in weights)
         tuned = self.choices.get(self.lora_key(x, n, x.shape[1], len(weights), rank))
         return tuned if isinstance(tuned, MMAConfig) else chosen(x, weights)
+
+    def _twiddled_choice(self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], key: str) -> MMAConfig:
+        """Inside `twiddle.twiddled_codes` only the CUDA decode kernel reads the codes: the table's choice for ``key``
+        where it is a decode-kernel instance (the twiddled build of an instance is as fast or faster, measured per
+        call on the H200), else the fastest instance timed with the twiddled build (``key|twiddled``), or
+        `cuda_mma.heuristic_config` where timing cannot run. `twiddle.TwiddledCodesError` where the decode kernel
+        does not serve the call."""
+        if not mma_usable(x, weights):
+            twiddle.check_standard_order(f"this product ({x.shape[0]} rows; the CUDA decode kernel does not serve it)")
+        known = self.choices.get(key)
+        if isinstance(known, MMAConfig):
+            return known
+        m, k = x.shape
+        n = sum(w[0].shape[0] for w in weights)
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        twiddled_key = f"{key}|twiddled"
+        if twiddled_key not in self.choices:
+            if not self.autotune or torch.cuda.is_current_stream_capturing():
+                return cuda_mma.heuristic_config(m, n, k, num_sms)
+            probe = torch.randn(m_bucket(m), k, device=x.device, dtype=x.dtype)
+            configs = cuda_mma.candidate_configs(m_bucket(m), n, k, num_sms)
+            calls = {config: functools.partial(cuda_mma.matmul, probe, weights, config) for config in configs}
+            fastest = _fastest_call(calls, self.timings.setdefault(twiddled_key, {}))
+            self.choices[twiddled_key] = fastest or cuda_mma.heuristic_config(m, n, k, num_sms)
+        return self.choices[twiddled_key]
 
     @classmethod
     def lora_key(cls, x: torch.Tensor, n: int, k: int, group: int, rank: int) -> str:
@@ -919,6 +948,8 @@ def _choice_from_json(entry) -> Choice:
 
 
 def run(x, weight_packed, weight_scale, weight_global_scale, choice: Choice) -> torch.Tensor:
+    if not isinstance(choice, MMAConfig):
+        twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
     if choice == DEQUANT_CUBLAS:
         return _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
     out = _run_on_weights(x, [(weight_packed, weight_scale, weight_global_scale)], [None], choice)
@@ -930,6 +961,7 @@ def _run_on_weights(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torc
     group in one launch): the CUDA kernels and `DequantChunks`; None for any other choice."""
     if isinstance(choice, MMAConfig):
         return cuda_mma.matmul(x, weights, choice, biases)
+    twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
     if isinstance(choice, TileConfig):
         return cuda_mma.tile_matmul(x, weights, choice, biases)
     if isinstance(choice, WgmmaConfig):
@@ -950,6 +982,7 @@ if os.environ.get("NVFP4_KERNEL_CHOICES"):
 # -- custom ops -----------------------------------------------------------------------------------------------
 def _dense(weight_packed, weight_scale, weight_global_scale, dtype):
     """Dense weight: `_dequantize_kernel` where the device's variant serves ``dtype``, else pure torch."""
+    twiddle.check_standard_order("NVFP4 dequantisation")
     reference = functools.partial(dequantize, weight_packed, weight_scale, weight_global_scale, dtype=dtype)
     device = weight_packed.device
     path = device_path(device) if device.type == "cuda" else None

@@ -1,5 +1,5 @@
-"""A bit order of the packed E2M1 codes that the CUDA decode kernel turns into bf16 pairs with fewer instructions
-(an experiment: the kernel reads it only when built with ``-DNVFP4_TWIDDLED=1``; nothing stores it yet).
+"""A bit order of the packed E2M1 codes that the CUDA decode kernel turns into bf16 pairs with fewer instructions,
+and the window in which a model's codes are held in it.
 
 In the standard compressed-tensors layout a 32-bit word holds the codes c0..c7 of 8 consecutive columns, code i in
 bits 4i..4i+3 (sign, then two exponent bits and one mantissa bit). The kernel builds each bf16 pair by moving a
@@ -8,9 +8,20 @@ masks per pair, ~15 instructions per word. `twiddle` permutes the 32 bits of eve
 c_{2i+1}) is one rotation and one mask of the word (the last pair two of each): 9 instructions per word, and the
 pairs are in column order, so the activations need no permutation either. The permutation was found by a search over
 rotation sets (`POSITIONS`); `untwiddle` restores the standard order.
+
+Nothing stores the twiddled order: every other reader of the codes (the Triton kernels, the tiled and wgmma kernels,
+dequantisation, checkpoints, vLLM) knows only the standard one. `twiddled_codes` permutes a model's codes in place
+(no second copy) for a stretch of decode steps and restores them on leaving, also on an error; inside it the CUDA
+decode kernel builds with ``-DNVFP4_TWIDDLED=1`` and every other reader refuses to run (`TwiddledCodesError`, see
+`check_standard_order`), so a wrong read cannot pass silently. The fast rollout engine opens it around its decode loop
+(`rollout.fast.StaticCacheGenerator`, ``twiddled_decode``). Measured on the H200 (7B, NVFP4 + LoRA r32 + AQN,
+2026-12-03): decode step 2.95-2.97 -> 2.80-2.81 ms at batch 1, 3.39-3.47 -> 3.26-3.33 ms at batch 8.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -63,3 +74,88 @@ def untwiddle(packed: torch.Tensor) -> torch.Tensor:
     for target, (code, bit) in enumerate(POSITIONS):
         source_of[4 * code + bit] = target
     return _permute(packed, source_of)
+
+
+TWIDDLED_BUILD = ("-DNVFP4_TWIDDLED=1",)
+"""NVRTC flags of the decode kernel's build that reads the twiddled order (`cuda_mma.matmul` adds them inside
+`twiddled_codes`)."""
+
+_active = False
+
+
+class TwiddledCodesError(Exception):
+    """A reader that knows only the standard order met codes held in the twiddled one (inside `twiddled_codes`).
+    Not a RuntimeError, so that handlers of kernel build failures do not take it for one."""
+
+
+def active() -> bool:
+    """Whether the codes of the model being decoded are in the twiddled order now (inside `twiddled_codes`)."""
+    return _active
+
+
+def check_standard_order(reader: str) -> None:
+    """Raise `TwiddledCodesError` inside `twiddled_codes`: ``reader`` (named in the message) reads the standard order
+    only."""
+    if _active:
+        raise TwiddledCodesError(
+            f"{reader} reads NVFP4 codes in the standard order, but they are twiddled now (inside "
+            "trl_qerl.nvfp4.twiddle.twiddled_codes, where only the CUDA decode kernel may read them)."
+        )
+
+
+def _rotation_groups(source_of: Sequence[int]) -> list[tuple[int, int]]:
+    """(left rotation, mask of source bits) per distinct rotation of a permutation: one pass each."""
+    groups: dict[int, int] = {}
+    for target, source in enumerate(source_of):
+        groups[(target - source) % 32] = groups.get((target - source) % 32, 0) | (1 << source)
+    return sorted(groups.items())
+
+
+def _twiddle_sources() -> list[int]:
+    return [4 * code + bit for code, bit in POSITIONS]
+
+
+def _untwiddle_sources() -> list[int]:
+    source_of = [0] * 32
+    for target, (code, bit) in enumerate(POSITIONS):
+        source_of[4 * code + bit] = target
+    return source_of
+
+
+def permute_(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`twiddle` (or, with ``inverse``, `untwiddle`) in place, ``packed`` returned: one Triton pass on CUDA (a few ms
+    for a 7B model's codes), `twiddle` / `untwiddle` and a copy elsewhere."""
+    if not packed.is_contiguous():
+        raise ValueError("permute_ needs contiguous codes (it rewrites them in place)")
+    sources = _untwiddle_sources() if inverse else _twiddle_sources()
+    if packed.device.type == "cuda":
+        from ._twiddle_kernel import permute_bits_  # Triton is needed on CUDA only
+
+        _words(packed)  # (the shape check)
+        permute_bits_(packed.view(torch.int32), _rotation_groups(sources))
+        return packed
+    return packed.copy_(untwiddle(packed) if inverse else twiddle(packed))
+
+
+@contextlib.contextmanager
+def twiddled_codes(codes: Sequence[torch.Tensor]) -> Iterator[None]:
+    """``codes`` (uint8, contiguous) permuted in place to the twiddled order while inside, and back to the standard
+    order on leaving, also on an error (those already permuted, if permuting a later one fails). Inside, the CUDA
+    decode kernel builds for the twiddled order and every other reader of codes raises `TwiddledCodesError`. Not
+    reentrant."""
+    global _active
+    if _active:
+        raise RuntimeError("twiddled_codes is not reentrant: the codes are twiddled already")
+    permuted: list[torch.Tensor] = []
+    try:
+        with torch.no_grad():
+            for packed in codes:
+                permute_(packed)
+                permuted.append(packed)
+        _active = True
+        yield
+    finally:
+        _active = False
+        with torch.no_grad():
+            for packed in permuted:
+                permute_(packed, inverse=True)
