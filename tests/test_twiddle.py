@@ -154,6 +154,24 @@ def test_twiddled_build_adds_lora_terms(m):
     assert relative_error(standard, ours) < TOLERANCE
 
 
+@needs_cuda
+@pytest.mark.parametrize("m", [16, 32])
+def test_twiddled_tiled_kernel_matches_the_reference(m):
+    """The tiled kernel shares the decode kernel's decode: inside the window (here with no codes of its own, only the
+    switch) its builds read twiddled codes, also with K split."""
+    generator = torch.Generator().manual_seed(20 + m)
+    weights = [quantized(n, 512, generator) for n in (128, 64)]
+    x = torch.randn(m, 512, generator=generator).to("cuda", torch.bfloat16)
+    expected = reference(x, weights, [None] * 2)
+    twiddled = _twiddled(weights)
+    configs = cuda_mma.tile_candidate_configs(m, 192, 512, 132, 227 * 1024)[:6]
+    configs.append(cuda_mma.TileConfig(1, 2, 4, 2, split_k=2))
+    with twiddle.twiddled_codes([]):
+        for config in configs:
+            out = cuda_mma.tile_matmul(x, twiddled, config, out=poisoned_out(m, 192, torch.bfloat16))
+            assert relative_error(expected, out) < TOLERANCE, str(config)
+
+
 # -- the in-place pass and the window ----------------------------------------------------------------------------
 def _random_codes(rows=33, columns=24, seed=0):
     return torch.randint(0, 256, (rows, columns), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
@@ -296,7 +314,7 @@ def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 32])
 def test_engine_decodes_twiddled_codes_as_the_standard_order(rows):
     """On a GPU, bf16: the captured, compiled step with the codes twiddled (its state says so, nothing fell back)
     draws the same greedy tokens as with the standard order, with log-probs equal up to the order of fp32 sums; the

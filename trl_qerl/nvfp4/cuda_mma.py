@@ -302,7 +302,8 @@ def matmul(
     """``[x @ W_0.T + b_0, x @ W_1.T + b_1, ...]`` side by side in one ``[M, sum N_i]`` tensor, one launch; with
     ``lora``, each output plus its adapter's ``scaling * hidden_i @ B_i.T`` (the base rounded first, then the sum).
 
-    Callers check `supports` (and `lora_supported`) first. ``biases`` (one per weight, or None) are in ``x.dtype``."""
+    Callers check `supports` (and `lora_supported`) first. ``biases`` (one per weight, or None) are in ``x.dtype``.
+    Inside `twiddle.twiddled_codes` the build reads the twiddled order."""
     m, k = x.shape
     biases = list(biases) if biases is not None else [None] * len(weights)
     segments, tiles, total = segments_of(weights, biases, config.rows)
@@ -445,9 +446,11 @@ def tile_matmul(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`matmul` with the tiled kernel (plus, when ``config.split_k > 1``, one launch that adds the partial sums).
+    Inside `twiddle.twiddled_codes` the build reads the twiddled order (it decodes with `matmul`'s code).
 
     Callers check `supports_tile` first."""
-    return launch_tiled(x, weights, config, 32 * config.warps, biases, out)
+    options = twiddle.TWIDDLED_BUILD if twiddle.active() else ()
+    return launch_tiled(x, weights, config, 32 * config.warps, biases, out, options=options)
 
 
 def launch_tiled(

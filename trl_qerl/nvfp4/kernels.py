@@ -847,16 +847,16 @@ class KernelChooser:
         tuned = self.choices.get(self.lora_key(x, n, x.shape[1], len(weights), rank))
         return tuned if isinstance(tuned, MMAConfig) else chosen(x, weights)
 
-    def _twiddled_choice(self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], key: str) -> MMAConfig:
-        """Inside `twiddle.twiddled_codes` only the CUDA decode kernel reads the codes: the table's choice for ``key``
-        where it is a decode-kernel instance (the twiddled build of an instance is as fast or faster, measured per
-        call on the H200), else the fastest instance timed with the twiddled build (``key|twiddled``), or
-        `cuda_mma.heuristic_config` where timing cannot run. `twiddle.TwiddledCodesError` where the decode kernel
-        does not serve the call."""
+    def _twiddled_choice(self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], key: str) -> Choice:
+        """Inside `twiddle.twiddled_codes` only the CUDA decode and tiled kernels read the codes (`TWIDDLED_READERS`):
+        the table's choice for ``key`` where it is one of theirs (the twiddled build of a decode instance is as fast
+        or faster, measured per call on the H200), else the fastest decode instance timed with the twiddled build
+        (``key|twiddled``), or `cuda_mma.heuristic_config` where timing cannot run. `twiddle.TwiddledCodesError`
+        where the decode kernel does not serve the call."""
         if not mma_usable(x, weights):
             twiddle.check_standard_order(f"this product ({x.shape[0]} rows; the CUDA decode kernel does not serve it)")
         known = self.choices.get(key)
-        if isinstance(known, MMAConfig):
+        if isinstance(known, TWIDDLED_READERS) and _applies(known, x, weights, mma=True):
             return known
         m, k = x.shape
         n = sum(w[0].shape[0] for w in weights)
@@ -947,8 +947,12 @@ def _choice_from_json(entry) -> Choice:
     return FusedConfig(**entry)
 
 
+TWIDDLED_READERS = (MMAConfig, TileConfig)
+"""The choices whose builds read the twiddled code order inside `twiddle.twiddled_codes` (they share the decode)."""
+
+
 def run(x, weight_packed, weight_scale, weight_global_scale, choice: Choice) -> torch.Tensor:
-    if not isinstance(choice, MMAConfig):
+    if not isinstance(choice, TWIDDLED_READERS):
         twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
     if choice == DEQUANT_CUBLAS:
         return _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
@@ -961,9 +965,9 @@ def _run_on_weights(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torc
     group in one launch): the CUDA kernels and `DequantChunks`; None for any other choice."""
     if isinstance(choice, MMAConfig):
         return cuda_mma.matmul(x, weights, choice, biases)
-    twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
     if isinstance(choice, TileConfig):
         return cuda_mma.tile_matmul(x, weights, choice, biases)
+    twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
     if isinstance(choice, WgmmaConfig):
         return cuda_wgmma.wgmma_matmul(x, weights, choice, biases)
     if isinstance(choice, DequantChunks):

@@ -77,11 +77,11 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 ENGINES = ("auto", "fused", "model")
 
 
-TWIDDLE_MAX_ROWS = 16
+TWIDDLE_MAX_ROWS = 32
 """Largest batch whose decode steps read the twiddled codes (`StaticCacheGenerator`'s ``twiddled_decode``): up to
-here the CUDA decode kernel computes every NVFP4 product of the step (the shipped choices; measured gain on the H200,
-7B, 2026-12-03: 5 % of the decode step at batch 1, 4 % at 8); above, the tiled and wgmma kernels, which read the
-standard order only."""
+here the CUDA decode and tiled kernels compute the NVFP4 products of the step (the shipped choices; measured gain on
+the H200, 7B, 2026-12-03: 5 % of the decode step at batch 1, 4 % at 8); from 64 rows the wgmma kernel and
+dequantise + cuBLAS, which read the standard order only."""
 
 
 def _bucket(value: int, step: int) -> int:
