@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.noise import NormNoise
-from trl_qerl.nvfp4 import kernels
+from trl_qerl.nvfp4 import kernels, twiddle
 from trl_qerl.nvfp4.linear import NVFP4A16Linear
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rollout import fused_decode
@@ -143,7 +143,22 @@ def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab
     gaps = [abs(a - b) for row, (s_lp, t_lp) in enumerate(zip(standard_lp, twiddled_lp))
             for a, b in list(zip(s_lp, t_lp))[: first[row]]]  # fmt: skip
     return {"identical": sum(a == b for a, b in pairs) / max(len(pairs), 1), "first_difference": first,
-            "max_logprob_gap": max(gaps, default=0.0)}  # fmt: skip
+            "max_logprob_gap": max(gaps, default=0.0), "window_ms": window_ms(model)}  # fmt: skip
+
+
+def window_ms(model, repeats: int = 5) -> float:
+    """Milliseconds of opening and closing the decode window once (every code tensor permuted in place and back: what
+    the twiddled order costs each rollout), median of ``repeats``."""
+    codes = [module.weight_packed for module in model.modules() if isinstance(module, NVFP4A16Linear)]
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        with twiddle.twiddled_codes(codes):
+            pass
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 @contextlib.contextmanager
@@ -403,7 +418,8 @@ def main() -> None:
                     rows.append({"backend": f"ours ({engine}), {label}", "greedy_agreement": agreement})
                     print(f"{engine}, {label}: greedy tokens with twiddled vs standard codes: "
                           f"{agreement['identical']:.1%} identical; first difference per row {agreement['first_difference']}; "
-                          f"largest log-prob gap before it {agreement['max_logprob_gap']:.2e}",
+                          f"largest log-prob gap before it {agreement['max_logprob_gap']:.2e}; "
+                          f"window (permute in and out) {agreement['window_ms']:.1f} ms",
                           flush=True)  # fmt: skip
                 for batch in args.batches:
                     full = measure(f"ours ({engine}), {label}", ours(generator, batch, args.prompt_tokens,

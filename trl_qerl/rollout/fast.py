@@ -468,7 +468,7 @@ class StaticCacheGenerator:
             state.out[:, 0] = first
             state.logprobs[:, 0], state.entropy[:, 0] = first_logprob, first_entropy
             state.mask.copy_(torch.where(padding, state.visible, state.hidden)[:, None, None, :])
-            with self._twiddled(state):
+            with self._twiddled(state, params.max_new_tokens):
                 decoded = self._decode(state, rows, params)
             generated, logprobs, entropy = (tensor.tolist() for tensor in decoded)
         finally:
@@ -622,9 +622,10 @@ class StaticCacheGenerator:
         with twiddle.twiddled_codes(self.nvfp4_codes()):
             yield
 
-    def _twiddled(self, state: _DecodeState) -> contextlib.AbstractContextManager:
-        """The decode loop's window: the twiddled codes where ``state`` was captured for them."""
-        return self._twiddled_window(state.twiddled)
+    def _twiddled(self, state: _DecodeState, new_tokens: int = 2) -> contextlib.AbstractContextManager:
+        """The decode loop's window: the twiddled codes where ``state`` was captured for them and the loop decodes
+        (``new_tokens`` > 1: the prefill draws the first)."""
+        return self._twiddled_window(state.twiddled and new_tokens > 1)
 
 
 def _prompt_groups(prompts: Sequence[Sequence[int]], batch: int) -> tuple[list[int], list[int]] | None:
