@@ -11,8 +11,13 @@ output against the standard one (float64 norm), which differs only in the order 
 answers: does a load-time bit order that cuts the main loop from ~3.4 to ~2.4 instructions per weight (sm_90 SASS)
 make the products faster?
 
+``--window``: instead, what the fast engine's decode window costs per rollout (`twiddle.twiddled_codes`: every code
+tensor of the model permuted in place and back), on random codes at the model's projection shapes, against a copy
+of the same bytes (``clone``) in the same run.
+
 Usage (a CUDA GPU):
     python scripts/bench_twiddle.py --model qwen2.5-7b --rows 1 8 --rank 32 --json twiddle.json
+    python scripts/bench_twiddle.py --model qwen2.5-7b --window
 """
 
 from __future__ import annotations
@@ -37,10 +42,14 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-7b", choices=NAMES)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank of the epilogue (0: no LoRA terms)")
+    parser.add_argument("--window", action="store_true", help="time the decode window's permutation passes instead")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     config = qwen25_config(args.model)
+    if args.window:
+        time_window(config, args.model)
+        return
     results = []
     print(f"Twiddled codes, {args.model} shapes, LoRA r{args.rank}, {torch.cuda.get_device_name()}")
     print("| group | M | instance | bf16 µs | standard µs | twiddled µs | best twiddled | best twiddled µs | "
@@ -85,6 +94,41 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
+
+
+def time_window(config, model: str, repeats: int = 5) -> None:
+    """Median ms of `twiddle.twiddled_codes` over random codes of every projection of ``config``, and of cloning
+    them (one read and one write of the same bytes)."""
+    codes = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+             for _ in range(config.num_hidden_layers) for rows, k in layer_groups(config).values() for n in rows]  # fmt: skip
+    size_gb = sum(packed.numel() for packed in codes) / 1e9
+    before = [packed[:4].clone() for packed in codes[:3]]
+
+    def median_ms(run) -> float:
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    def window() -> None:
+        with twiddle.twiddled_codes(codes):
+            pass
+
+    window()  # (compiles the pass)
+    window_ms = median_ms(window)
+    clone_ms = median_ms(lambda: [packed.clone() for packed in codes])
+    assert all(torch.equal(packed[:4], b) for packed, b in zip(codes, before)), "the window did not restore the codes"
+    print(
+        f"Decode window, {model} shapes: {len(codes)} code tensors, {size_gb:.2f} GB, {torch.cuda.get_device_name()}"
+    )
+    print("| what | ms | ratio |\n|---|---|---|")
+    print(f"| window (permute in and out) | {window_ms:.2f} | {window_ms / clone_ms:.2f} |")
+    print(f"| clone every tensor once (baseline) | {clone_ms:.2f} | 1.00 |")
 
 
 if __name__ == "__main__":
