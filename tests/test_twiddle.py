@@ -203,6 +203,8 @@ def test_permute_in_place_round_trips():
     assert torch.equal(packed, before)
     with pytest.raises(ValueError, match="contiguous"):
         twiddle.permute_(_random_codes(columns=8).t())
+    with pytest.raises(ValueError, match="multiple of 4"):
+        twiddle.permute_(torch.zeros(2, 6, dtype=torch.uint8))
 
 
 def test_the_window_twiddles_in_place_and_restores_on_leaving_and_on_errors():

@@ -43,9 +43,13 @@ BF16_DECODE: tuple[tuple[tuple[int, int], ...], ...] = (
 kernel's ``decode_word`` computes; `tests/test_twiddle.py` checks the two agree with `POSITIONS`)."""
 
 
-def _words(packed: torch.Tensor) -> torch.Tensor:
+def _check_codes(packed: torch.Tensor) -> None:
     if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
         raise ValueError(f"expected uint8 codes with a multiple of 4 bytes per row, got {packed.dtype} {packed.shape}")
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    _check_codes(packed)
     return packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
@@ -131,7 +135,7 @@ def permute_(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     if packed.device.type == "cuda":
         from ._twiddle_kernel import permute_bits_  # Triton is needed on CUDA only
 
-        _words(packed)  # (the shape check)
+        _check_codes(packed)
         permute_bits_(packed.view(torch.int32), _rotation_groups(sources))
         return packed
     return packed.copy_(untwiddle(packed) if inverse else twiddle(packed))
