@@ -249,7 +249,7 @@ def test_trainer_config_chooses_the_engine(tmp_path):
     with pytest.raises(ValueError, match="fast_rollout_engine"):
         QeRLConfig(output_dir=str(tmp_path), fast_rollout_engine="vllm", report_to="none")
     args = QeRLConfig(output_dir=str(tmp_path), fast_rollout_engine="model", fast_rollout_compile=False,
-                      report_to="none", use_cpu=True)  # fmt: skip
+                      fast_rollout_twiddled_decode=False, report_to="none", use_cpu=True)  # fmt: skip
 
     class Trainer:  # what make_rollout_backend reads
         pass
@@ -257,7 +257,8 @@ def test_trainer_config_chooses_the_engine(tmp_path):
     trainer = Trainer()
     trainer.args = args
     backend = make_rollout_backend("fast", trainer)
-    assert (backend.engine, backend.compile) == ("model", False)
+    assert (backend.engine, backend.compile, backend.twiddled_decode) == ("model", False, False)
+    assert QeRLConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True).fast_rollout_twiddled_decode is None
 
 
 def test_the_compile_options_exist_in_this_torch():

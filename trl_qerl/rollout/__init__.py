@@ -32,7 +32,9 @@ def make_rollout_backend(name: str, trainer: GRPOTrainer) -> RolloutBackend:
     if name == "fast":
         args = trainer.args
         return FastRollout(
-            engine=getattr(args, "fast_rollout_engine", "auto"), compile=getattr(args, "fast_rollout_compile", None)
+            engine=getattr(args, "fast_rollout_engine", "auto"),
+            compile=getattr(args, "fast_rollout_compile", None),
+            twiddled_decode=getattr(args, "fast_rollout_twiddled_decode", None),
         )
     if name == "vllm":
         from .vllm import make_vllm_rollout

@@ -681,8 +681,15 @@ class FastRollout:
 
     name = "fast"
 
-    def __init__(self, cuda_graph: bool | None = None, engine: str = "auto", compile: bool | None = None) -> None:
+    def __init__(
+        self,
+        cuda_graph: bool | None = None,
+        engine: str = "auto",
+        compile: bool | None = None,
+        twiddled_decode: bool | None = None,
+    ) -> None:
         self.cuda_graph, self.engine, self.compile = cuda_graph, engine, compile
+        self.twiddled_decode = twiddled_decode
         self.generator = None
         self.fallback = TransformersRollout()
         self.disabled_reason: str | None = None
@@ -700,8 +707,9 @@ class FastRollout:
         try:
             if self.generator is None or self.generator.model is not model:
                 self.generator = StaticCacheGenerator(
-                    model, cuda_graph=self.cuda_graph, engine=self.engine, compile=self.compile
-                )
+                    model, cuda_graph=self.cuda_graph, engine=self.engine, compile=self.compile,
+                    twiddled_decode=self.twiddled_decode,
+                )  # fmt: skip
             samples = self.generator.sample(prompt_ids, params, trainer.eos_token_ids, trainer._tokenizer.pad_token_id)
         except Exception as error:  # noqa: BLE001 - capture problems must not stop training
             self.disabled_reason = f"{type(error).__name__}: {error}"
