@@ -12,7 +12,7 @@ rotation sets (`POSITIONS`); `untwiddle` restores the standard order.
 Nothing stores the twiddled order: every other reader of the codes (the Triton kernels, the tiled and wgmma kernels,
 dequantisation, checkpoints, vLLM) knows only the standard one. `twiddled_codes` permutes a model's codes in place
 (no second copy) for a stretch of decode steps and restores them on leaving, also on an error; inside it the CUDA
-decode kernel builds with ``-DNVFP4_TWIDDLED=1`` and every other reader refuses to run (`TwiddledCodesError`, see
+decode and tiled kernels build with ``-DNVFP4_TWIDDLED=1`` and every other reader refuses to run (`TwiddledCodesError`, see
 `check_standard_order`), so a wrong read cannot pass silently. The fast rollout engine opens it around its decode loop
 (`rollout.fast.StaticCacheGenerator`, ``twiddled_decode``). Measured on the H200 (7B, NVFP4 + LoRA r32 + AQN,
 2026-12-03): decode step 2.95-2.97 -> 2.80-2.81 ms at batch 1, 3.39-3.47 -> 3.26-3.33 ms at batch 8.
@@ -81,8 +81,8 @@ def untwiddle(packed: torch.Tensor) -> torch.Tensor:
 
 
 TWIDDLED_BUILD = ("-DNVFP4_TWIDDLED=1",)
-"""NVRTC flags of the decode kernel's build that reads the twiddled order (`cuda_mma.matmul` adds them inside
-`twiddled_codes`)."""
+"""NVRTC flags of the decode and tiled kernels' builds that read the twiddled order (`cuda_mma.matmul` and
+`cuda_mma.tile_matmul` add them inside `twiddled_codes`)."""
 
 _active = False
 
@@ -103,7 +103,7 @@ def check_standard_order(reader: str) -> None:
     if _active:
         raise TwiddledCodesError(
             f"{reader} reads NVFP4 codes in the standard order, but they are twiddled now (inside "
-            "trl_qerl.nvfp4.twiddle.twiddled_codes, where only the CUDA decode kernel may read them)."
+            "trl_qerl.nvfp4.twiddle.twiddled_codes, where only the CUDA decode and tiled kernels may read them)."
         )
 
 
@@ -145,7 +145,7 @@ def permute_(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 def twiddled_codes(codes: Sequence[torch.Tensor]) -> Iterator[None]:
     """``codes`` (uint8, contiguous) permuted in place to the twiddled order while inside, and back to the standard
     order on leaving, also on an error (those already permuted, if permuting a later one fails). Inside, the CUDA
-    decode kernel builds for the twiddled order and every other reader of codes raises `TwiddledCodesError`. Not
+    decode and tiled kernels build for the twiddled order and every other reader of codes raises `TwiddledCodesError`. Not
     reentrant."""
     global _active
     if _active:

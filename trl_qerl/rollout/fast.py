@@ -80,7 +80,7 @@ ENGINES = ("auto", "fused", "model")
 TWIDDLE_MAX_ROWS = 32
 """Largest batch whose decode steps read the twiddled codes (`StaticCacheGenerator`'s ``twiddled_decode``): up to
 here the CUDA decode and tiled kernels compute the NVFP4 products of the step (the shipped choices; measured gain on
-the H200, 7B, 2026-12-03: 5 % of the decode step at batch 1, 4 % at 8); from 64 rows the wgmma kernel and
+the H200, 7B, 2026-12-03: 3-5 % of the decode step at batch 1, 8 and 32); from 64 rows the wgmma kernel and
 dequantise + cuBLAS, which read the standard order only."""
 
 
@@ -317,7 +317,7 @@ class StaticCacheGenerator:
             error, so that the CUDA decode kernel decodes them with fewer instructions. Fused engine on CUDA, at most
             `TWIDDLE_MAX_ROWS` rows. ``None`` (default): on where that holds and the model computes in bf16 (the
             order saves nothing in fp16); ``True`` also for fp16; ``False`` never. If a product of the step is not
-            served by the decode kernel, the generator logs once and keeps the standard order from then on.
+            served by the decode or tiled kernel, the generator logs once and keeps the standard order from then on.
     """
 
     def __init__(
