@@ -268,6 +268,19 @@ def test_standard_order_readers_refuse_twiddled_codes():
     kernels._dense(packed, scale, global_scale, torch.float32)  # outside: reads as before
 
 
+def test_a_failing_twiddled_build_retires_nothing():
+    """A decode-kernel build that fails inside the window is the twiddled one: the kernels stay for the standard order
+    (nothing retired), and the caller gets `TwiddledCodesError`, on which the engine falls back."""
+    from trl_qerl.nvfp4 import kernels, nvrtc
+
+    x, config = torch.zeros(1, 32), cuda_mma.MMAConfig(1, 1, 4)
+    broken = set(kernels._MMA_BROKEN)
+    with twiddle.twiddled_codes([]):
+        with pytest.raises(twiddle.TwiddledCodesError, match="twiddled build .* failed \\(ptxas exploded\\)"):
+            kernels._cuda_kernel_failed(x, config, nvrtc.NVRTCError("ptxas exploded\nline two"))
+    assert kernels._MMA_BROKEN == broken
+
+
 # -- the fast rollout engine's decode window ----------------------------------------------------------------------
 def _nvfp4_model(dtype=torch.float32):
     from _tiny import tiny_model

@@ -751,8 +751,12 @@ _WGMMA_BROKEN: set[tuple[int, torch.dtype]] = set()
 
 def _cuda_kernel_failed(x: torch.Tensor, choice: Choice, error: Exception) -> None:
     """A CUDA kernel did not build or load: a wgmma instance retires only the wgmma kernel on this device and dtype
-    (its sm_90a build and tensor maps are its own), any other the CUDA kernels there (`_mma_failed`)."""
+    (its sm_90a build and tensor maps are its own), any other the CUDA kernels there (`_mma_failed`). Inside
+    `twiddle.twiddled_codes` the failed build is the twiddled one: nothing retires, and `twiddle.TwiddledCodesError`
+    sends its caller back to the standard order (whose builds may well be fine)."""
     reason = str(error).splitlines()[0][:300]
+    if twiddle.active():
+        raise twiddle.TwiddledCodesError(f"the twiddled build of {choice} failed ({reason})") from error
     if not isinstance(choice, WgmmaConfig):
         _mma_failed(x, reason)
         return
