@@ -12,8 +12,9 @@ answers: does a load-time bit order that cuts the main loop from ~3.4 to ~2.4 in
 make the products faster?
 
 ``--window``: instead, what the fast engine's decode window costs per rollout (`twiddle.twiddled_codes`: every code
-tensor of the model permuted in place and back), on random codes at the model's projection shapes, against a copy
-of the same bytes (``clone``) in the same run.
+tensor of the model permuted in place and back), on random codes at the model's projection shapes, with a launch per
+tensor (the default) and with each direction one CUDA-graph replay (`twiddle.CAPTURE_PASSES`), against a copy of the
+same bytes (``clone``) in the same run.
 
 Usage (a CUDA GPU):
     python scripts/bench_twiddle.py --model qwen2.5-7b --rows 1 8 --rank 32 --json twiddle.json
@@ -121,13 +122,22 @@ def time_window(config, model: str, repeats: int = 5) -> None:
 
     window()  # (compiles the pass)
     window_ms = median_ms(window)
+    twiddle.CAPTURE_PASSES = True
+    try:
+        window()  # (captures both directions)
+        captured_ms = median_ms(window)
+    finally:
+        twiddle.CAPTURE_PASSES = False
     clone_ms = median_ms(lambda: [packed.clone() for packed in codes])
     assert all(torch.equal(packed[:4], b) for packed, b in zip(codes, before)), "the window did not restore the codes"
     print(
         f"Decode window, {model} shapes: {len(codes)} code tensors, {size_gb:.2f} GB, {torch.cuda.get_device_name()}"
     )
     print("| what | ms | ratio |\n|---|---|---|")
-    print(f"| window (permute in and out) | {window_ms:.2f} | {window_ms / clone_ms:.2f} |")
+    print(f"| window (permute in and out), a launch per tensor | {window_ms:.2f} | {window_ms / clone_ms:.2f} |")
+    print(
+        f"| window, each direction one graph replay (CAPTURE_PASSES) | {captured_ms:.2f} | {captured_ms / clone_ms:.2f} |"
+    )
     print(f"| clone every tensor once (baseline) | {clone_ms:.2f} | 1.00 |")
 
 

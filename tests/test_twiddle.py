@@ -268,6 +268,26 @@ def test_standard_order_readers_refuse_twiddled_codes():
     kernels._dense(packed, scale, global_scale, torch.float32)  # outside: reads as before
 
 
+def test_captured_passes_apply_only_on_one_cuda_device():
+    """`CAPTURE_PASSES` on CPU tensors (or fewer than two) changes nothing: the launches one by one."""
+    assert twiddle._captured_passes([_random_codes(), _random_codes(seed=1)], inverse=False) is None
+
+
+@needs_cuda
+def test_captured_passes_permute_and_restore_as_the_launches_do(monkeypatch):
+    """With `CAPTURE_PASSES`, each direction is one graph replay (captured on the first window, replayed by the next)
+    and gives what `twiddle` gives; the codes are standard again after each window."""
+    monkeypatch.setattr(twiddle, "CAPTURE_PASSES", True)
+    monkeypatch.setattr(twiddle, "_GRAPHS", {})
+    codes = [_random_codes(rows=rows, columns=40, seed=rows).cuda() for rows in (3, 700, 2049)]
+    standard = [packed.clone() for packed in codes]
+    for _ in range(2):
+        with twiddle.twiddled_codes(codes):
+            assert all(torch.equal(p.cpu(), twiddle.twiddle(s.cpu())) for p, s in zip(codes, standard))
+        assert all(torch.equal(p, s) for p, s in zip(codes, standard))
+    assert len(twiddle._GRAPHS) == 2
+
+
 def test_a_failing_twiddled_build_retires_nothing():
     """A decode-kernel build that fails inside the window is the twiddled one: the kernels stay for the standard order
     (nothing retired), and the caller gets `TwiddledCodesError`, on which the engine falls back."""

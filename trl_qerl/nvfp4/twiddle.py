@@ -21,9 +21,13 @@ decode and tiled kernels build with ``-DNVFP4_TWIDDLED=1`` and every other reade
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 
 import torch
+
+
+logger = logging.getLogger(__name__)
 
 
 POSITIONS: tuple[tuple[int, int], ...] = (
@@ -141,6 +145,63 @@ def permute_(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return packed.copy_(untwiddle(packed) if inverse else twiddle(packed))
 
 
+CAPTURE_PASSES = False
+"""Run each direction of a window's passes as one CUDA-graph replay (captured on the first window over the same
+tensors, `_captured_passes`) instead of one Triton launch per tensor. Built to cut the window's launch cost (7B: 16.7
+ms per window against 2.2 ms for cloning the same bytes, with 392 launches, H200 2026-12-03); off until measured and
+GPU-tested (`bench_twiddle.py --window` times both, `tests/test_twiddle.py` has its GPU test)."""
+
+_GRAPHS: dict[tuple, torch.cuda.CUDAGraph] = {}
+_GRAPHS_KEPT = 4
+
+
+def _captured_passes(codes: Sequence[torch.Tensor], inverse: bool) -> torch.cuda.CUDAGraph | None:
+    """The passes of `permute_` over ``codes`` as one CUDA graph (captured once per direction and list of (address,
+    size): the launches read nothing else), or None where capture does not apply (not all on one CUDA device, fewer
+    than two tensors, or inside another capture)."""
+    devices = {packed.device for packed in codes}
+    if len(codes) < 2 or len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    key = (inverse, tuple((packed.data_ptr(), packed.numel()) for packed in codes))
+    if key not in _GRAPHS:
+        from ._twiddle_kernel import permute_bits_
+
+        for packed in codes:
+            _check_codes(packed)
+            if not packed.is_contiguous():
+                raise ValueError("permute_ needs contiguous codes (it rewrites them in place)")
+        groups = _rotation_groups(_untwiddle_sources() if inverse else _twiddle_sources())
+        permute_bits_(torch.zeros(1, dtype=torch.int32, device=codes[0].device), groups)  # (compiles outside capture)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):  # (records the launches; nothing runs until a replay)
+                for packed in codes:
+                    permute_bits_(packed.view(torch.int32), groups)
+        except Exception as error:  # noqa: BLE001 - the launches one by one do the same
+            logger.warning("capturing the twiddle passes failed (%s: %s); launching them one by one",
+                           type(error).__name__, str(error)[:200])  # fmt: skip
+            return None
+        if len(_GRAPHS) >= _GRAPHS_KEPT:
+            _GRAPHS.pop(next(iter(_GRAPHS)))
+        _GRAPHS[key] = graph
+    return _GRAPHS[key]
+
+
+def _permute_all(codes: Sequence[torch.Tensor], inverse: bool, done: list[torch.Tensor]) -> None:
+    """`permute_` over ``codes``, appending each tensor to ``done`` once it is permuted (one graph replay for all of
+    them with `CAPTURE_PASSES`)."""
+    graph = _captured_passes(codes, inverse) if CAPTURE_PASSES else None
+    if graph is not None:
+        graph.replay()
+        done.extend(codes)
+        return
+    for packed in codes:
+        permute_(packed, inverse=inverse)
+        done.append(packed)
+
+
 @contextlib.contextmanager
 def twiddled_codes(codes: Sequence[torch.Tensor]) -> Iterator[None]:
     """``codes`` (uint8, contiguous) permuted in place to the twiddled order while inside, and back to the standard
@@ -153,13 +214,10 @@ def twiddled_codes(codes: Sequence[torch.Tensor]) -> Iterator[None]:
     permuted: list[torch.Tensor] = []
     try:
         with torch.no_grad():
-            for packed in codes:
-                permute_(packed)
-                permuted.append(packed)
+            _permute_all(codes, inverse=False, done=permuted)
         _active = True
         yield
     finally:
         _active = False
         with torch.no_grad():
-            for packed in permuted:
-                permute_(packed, inverse=True)
+            _permute_all(permuted, inverse=True, done=[])
