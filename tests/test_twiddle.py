@@ -328,6 +328,23 @@ def test_engine_on_cpu_keeps_the_standard_order(caplog):
     assert len(warnings) == 1 and "needs CUDA" in warnings[0]
 
 
+def test_engine_keeps_non_contiguous_codes_in_the_standard_order(caplog):
+    """Codes the pass cannot rewrite in place are checked before any is touched: one warning, standard decoding."""
+    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+
+    model = _nvfp4_model()
+    module = next(m for m in model.modules() if hasattr(m, "weight_packed"))
+    packed = module.weight_packed
+    strided = torch.empty(packed.shape[1], packed.shape[0], dtype=packed.dtype).t().copy_(packed)
+    module.weight_packed.data = strided
+    assert not module.weight_packed.is_contiguous()
+    generator = StaticCacheGenerator(model, cuda_graph=False, engine="fused", twiddled_decode=True)
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.fast"):
+        generator.generate([[3, 4, 5]], SamplingParams(**GREEDY_16), [1], 0)
+    warnings = [r.message for r in caplog.records if "twiddled_decode" in r.message]
+    assert len(warnings) == 1 and "contiguous" in warnings[0]
+
+
 def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_twiddled_one(monkeypatch, caplog):
     """A decode window whose step meets a standard-order reader (here every product: CPU reference kernels) raises
     inside; the generator restores the codes, logs once, and returns what standard decoding returns."""

@@ -600,10 +600,13 @@ class StaticCacheGenerator:
             return False
         device = next(self.model.parameters()).device
         dtype = self.model.get_input_embeddings().weight.dtype
+        codes = self.nvfp4_codes()
         blocked = (
-            "needs CUDA" if device.type != "cuda"
+            "the model has no NVFP4 layers" if not codes
+            else "needs contiguous NVFP4 codes (they are rewritten in place)"
+            if not all(packed.is_contiguous() for packed in codes)
+            else "needs CUDA" if device.type != "cuda"
             else "needs the fused decode step" if self.engine != "fused"
-            else "the model has no NVFP4 layers" if not self.nvfp4_codes()
             else f"at most {TWIDDLE_MAX_ROWS} rows" if batch > TWIDDLE_MAX_ROWS
             else None
         )  # fmt: skip
