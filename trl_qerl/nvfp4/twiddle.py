@@ -12,8 +12,8 @@ rotation sets (`POSITIONS`); `untwiddle` restores the standard order.
 Nothing stores the twiddled order: every other reader of the codes (the Triton kernels, the tiled and wgmma kernels,
 dequantisation, checkpoints, vLLM) knows only the standard one. `twiddled_codes` permutes a model's codes in place
 (no second copy) for a stretch of decode steps and restores them on leaving, also on an error; inside it the CUDA
-decode and tiled kernels build with ``-DNVFP4_TWIDDLED=1`` and every other reader refuses to run (`TwiddledCodesError`, see
-`check_standard_order`), so a wrong read cannot pass silently. The fast rollout engine opens it around its decode loop
+decode and tiled kernels build with ``-DNVFP4_TWIDDLED=1`` and every other reader refuses to run
+(`TwiddledCodesError`, see `check_standard_order`), so a wrong read cannot pass silently. The fast rollout engine opens it around its decode loop
 (`rollout.fast.StaticCacheGenerator`, ``twiddled_decode``). Measured on the H200 (7B, NVFP4 + LoRA r32 + AQN,
 2026-12-03): decode step 2.95-2.97 -> 2.80-2.81 ms at batch 1, 3.39-3.47 -> 3.26-3.33 ms at batch 8.
 """
@@ -52,36 +52,57 @@ def _check_codes(packed: torch.Tensor) -> None:
         raise ValueError(f"expected uint8 codes with a multiple of 4 bytes per row, got {packed.dtype} {packed.shape}")
 
 
+def _check_in_place(packed: torch.Tensor) -> None:
+    """What rewriting ``packed`` in place needs: contiguous whole words of codes."""
+    if not packed.is_contiguous():
+        raise ValueError("permute_ needs contiguous codes (it rewrites them in place)")
+    _check_codes(packed)
+
+
 def _words(packed: torch.Tensor) -> torch.Tensor:
     _check_codes(packed)
     return packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
+def _rotation_groups(source_of: Sequence[int]) -> list[tuple[int, int]]:
+    """(left rotation, mask of source bits) per distinct rotation of a permutation: one pass each."""
+    groups: dict[int, int] = {}
+    for target, source in enumerate(source_of):
+        groups[(target - source) % 32] = groups.get((target - source) % 32, 0) | (1 << source)
+    return sorted(groups.items())
+
+
+def _twiddle_sources() -> list[int]:
+    return [4 * code + bit for code, bit in POSITIONS]
+
+
+def _untwiddle_sources() -> list[int]:
+    source_of = [0] * 32
+    for target, (code, bit) in enumerate(POSITIONS):
+        source_of[4 * code + bit] = target
+    return source_of
+
+
 def _permute(packed: torch.Tensor, source_of: list[int]) -> torch.Tensor:
-    """Bit b of each output word is bit ``source_of[b]`` of the input word (grouped by distance: one pass each)."""
+    """Bit b of each output word is bit ``source_of[b]`` of the input word (`_rotation_groups`: one pass each, the
+    words widened to int64 so that a left rotation is two shifts and a mask)."""
     words = _words(packed)
     out = torch.zeros_like(words)
-    by_distance: dict[int, int] = {}
-    for target, source in enumerate(source_of):
-        by_distance[target - source] = by_distance.get(target - source, 0) | (1 << source)
-    for distance, mask in by_distance.items():
+    for rotation, mask in _rotation_groups(source_of):
         moved = words & mask
-        out |= moved << distance if distance >= 0 else moved >> -distance
+        out |= ((moved << rotation) | (moved >> (32 - rotation))) & 0xFFFFFFFF
     out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
     return out.view(torch.uint8).view(packed.shape)
 
 
 def twiddle(packed: torch.Tensor) -> torch.Tensor:
     """Standard ``uint8 [rows, K/2]`` codes -> the same codes in the twiddled bit order (a new tensor)."""
-    return _permute(packed, [4 * code + bit for code, bit in POSITIONS])
+    return _permute(packed, _twiddle_sources())
 
 
 def untwiddle(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `twiddle`."""
-    source_of = [0] * 32
-    for target, (code, bit) in enumerate(POSITIONS):
-        source_of[4 * code + bit] = target
-    return _permute(packed, source_of)
+    return _permute(packed, _untwiddle_sources())
 
 
 TWIDDLED_BUILD = ("-DNVFP4_TWIDDLED=1",)
@@ -111,35 +132,14 @@ def check_standard_order(reader: str) -> None:
         )
 
 
-def _rotation_groups(source_of: Sequence[int]) -> list[tuple[int, int]]:
-    """(left rotation, mask of source bits) per distinct rotation of a permutation: one pass each."""
-    groups: dict[int, int] = {}
-    for target, source in enumerate(source_of):
-        groups[(target - source) % 32] = groups.get((target - source) % 32, 0) | (1 << source)
-    return sorted(groups.items())
-
-
-def _twiddle_sources() -> list[int]:
-    return [4 * code + bit for code, bit in POSITIONS]
-
-
-def _untwiddle_sources() -> list[int]:
-    source_of = [0] * 32
-    for target, (code, bit) in enumerate(POSITIONS):
-        source_of[4 * code + bit] = target
-    return source_of
-
-
 def permute_(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`twiddle` (or, with ``inverse``, `untwiddle`) in place, ``packed`` returned: one Triton pass on CUDA (a few ms
     for a 7B model's codes), `twiddle` / `untwiddle` and a copy elsewhere."""
-    if not packed.is_contiguous():
-        raise ValueError("permute_ needs contiguous codes (it rewrites them in place)")
+    _check_in_place(packed)
     sources = _untwiddle_sources() if inverse else _twiddle_sources()
     if packed.device.type == "cuda":
         from ._twiddle_kernel import permute_bits_  # Triton is needed on CUDA only
 
-        _check_codes(packed)
         permute_bits_(packed.view(torch.int32), _rotation_groups(sources))
         return packed
     return packed.copy_(untwiddle(packed) if inverse else twiddle(packed))
@@ -169,9 +169,7 @@ def _captured_passes(codes: Sequence[torch.Tensor], inverse: bool) -> torch.cuda
         from ._twiddle_kernel import permute_bits_
 
         for packed in codes:
-            _check_codes(packed)
-            if not packed.is_contiguous():
-                raise ValueError("permute_ needs contiguous codes (it rewrites them in place)")
+            _check_in_place(packed)
         groups = _rotation_groups(_untwiddle_sources() if inverse else _twiddle_sources())
         permute_bits_(torch.zeros(1, dtype=torch.int32, device=codes[0].device), groups)  # (compiles outside capture)
         graph = torch.cuda.CUDAGraph()
@@ -206,8 +204,8 @@ def _permute_all(codes: Sequence[torch.Tensor], inverse: bool, done: list[torch.
 def twiddled_codes(codes: Sequence[torch.Tensor]) -> Iterator[None]:
     """``codes`` (uint8, contiguous) permuted in place to the twiddled order while inside, and back to the standard
     order on leaving, also on an error (those already permuted, if permuting a later one fails). Inside, the CUDA
-    decode and tiled kernels build for the twiddled order and every other reader of codes raises `TwiddledCodesError`. Not
-    reentrant."""
+    decode and tiled kernels build for the twiddled order and every other reader of codes raises
+    `TwiddledCodesError`. Not reentrant."""
     global _active
     if _active:
         raise RuntimeError("twiddled_codes is not reentrant: the codes are twiddled already")

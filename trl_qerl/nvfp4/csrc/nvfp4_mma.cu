@@ -38,7 +38,7 @@
 #endif
 
 #ifndef NVFP4_TWIDDLED
-#define NVFP4_TWIDDLED 0  // 1: each code word in the bit order of `trl_qerl.nvfp4.twiddle` (an experiment, mma only)
+#define NVFP4_TWIDDLED 0  // 1: each code word in the bit order of `trl_qerl.nvfp4.twiddle` (decode and tiled kernels)
 #endif
 
 #ifndef NVFP4_MIN_WARPS
