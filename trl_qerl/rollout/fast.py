@@ -57,7 +57,7 @@ from .generate import TransformersRollout, sampling_params
 from .sampling import SamplingParams, filter_logits, sample_tokens, sample_with_stats
 
 
-__all__ = ["FastRollout", "SamplingParams", "Samples", "StaticCacheGenerator", "filter_logits", "sample_tokens",
+__all__ = ["FastRollout", "SamplingParams", "Samples", "StaticCacheGenerator", "filter_logits", "nvfp4_codes", "sample_tokens",
            "sample_with_stats"]  # fmt: skip
 
 
@@ -358,7 +358,8 @@ class StaticCacheGenerator:
         self._prefill_pool = None
         self.twiddled_decode = twiddled_decode
         self._twiddle_off: str | None = None
-        """Why the codes stay in the standard order from now on (a product the decode kernel does not serve)."""
+        """Why the codes stay in the standard order from now on (``twiddled_decode=True`` cannot apply to this model,
+        or a product of the step is not served by the decode or tiled kernel)."""
         self._states: dict[tuple, _DecodeState] = {}
         self.captures = 0
         """Number of decode-step captures (one per shape bucket and sampling setting) in this process."""
@@ -590,8 +591,8 @@ class StaticCacheGenerator:
         return self._states[key]
 
     def nvfp4_codes(self) -> list[torch.Tensor]:
-        """The model's NVFP4 code tensors (``weight_packed`` of every `NVFP4A16Linear`), in module order."""
-        return [module.weight_packed for module in self.model.modules() if isinstance(module, NVFP4A16Linear)]
+        """`nvfp4_codes` of the generator's model."""
+        return nvfp4_codes(self.model)
 
     def _twiddles(self, batch: int) -> bool:
         """Whether decode steps of ``batch`` rows read the twiddled codes (``twiddled_decode``); logs once where it
@@ -607,13 +608,14 @@ class StaticCacheGenerator:
             if not all(packed.is_contiguous() for packed in codes)
             else "needs CUDA" if device.type != "cuda"
             else "needs the fused decode step" if self.engine != "fused"
-            else f"at most {TWIDDLE_MAX_ROWS} rows" if batch > TWIDDLE_MAX_ROWS
             else None
         )  # fmt: skip
         if blocked is not None:
-            if self.twiddled_decode and blocked != f"at most {TWIDDLE_MAX_ROWS} rows":
+            if self.twiddled_decode:
                 logger.warning("twiddled_decode=True %s; the codes stay in the standard order", blocked)
                 self._twiddle_off = blocked
+            return False
+        if batch > TWIDDLE_MAX_ROWS:  # (this batch only: smaller ones still read the twiddled order)
             return False
         return self.twiddled_decode is True or dtype == torch.bfloat16
 
@@ -629,6 +631,12 @@ class StaticCacheGenerator:
         """The decode loop's window: the twiddled codes where ``state`` was captured for them and the loop decodes
         (``new_tokens`` > 1: the prefill draws the first)."""
         return self._twiddled_window(state.twiddled and new_tokens > 1)
+
+
+def nvfp4_codes(model) -> list[torch.Tensor]:
+    """The NVFP4 code tensors of ``model`` (``weight_packed`` of every `NVFP4A16Linear`), in module order: what the
+    decode window permutes."""
+    return [module.weight_packed for module in model.modules() if isinstance(module, NVFP4A16Linear)]
 
 
 def _prompt_groups(prompts: Sequence[Sequence[int]], batch: int) -> tuple[list[int], list[int]] | None:
