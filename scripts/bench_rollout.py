@@ -28,16 +28,16 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_twiddle import window_ms
 from model_shapes import NAMES, qwen25_config, spread_eos
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.noise import NormNoise
-from trl_qerl.nvfp4 import kernels, twiddle
-from trl_qerl.nvfp4.linear import NVFP4A16Linear
+from trl_qerl.nvfp4 import kernels
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rollout import fused_decode
-from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator, nvfp4_codes
 
 
 def timed(fn):
@@ -143,22 +143,7 @@ def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab
     gaps = [abs(a - b) for row, (s_lp, t_lp) in enumerate(zip(standard_lp, twiddled_lp))
             for a, b in list(zip(s_lp, t_lp))[: first[row]]]  # fmt: skip
     return {"identical": sum(a == b for a, b in pairs) / max(len(pairs), 1), "first_difference": first,
-            "max_logprob_gap": max(gaps, default=0.0), "window_ms": window_ms(model)}  # fmt: skip
-
-
-def window_ms(model, repeats: int = 5) -> float:
-    """Milliseconds of opening and closing the decode window once (every code tensor permuted in place and back: what
-    the twiddled order costs each rollout), median of ``repeats``."""
-    codes = [module.weight_packed for module in model.modules() if isinstance(module, NVFP4A16Linear)]
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        with twiddle.twiddled_codes(codes):
-            pass
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - begin) * 1e3)
-    return sorted(times)[len(times) // 2]
+            "max_logprob_gap": max(gaps, default=0.0), "window_ms": window_ms(nvfp4_codes(model))}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -413,7 +398,7 @@ def main() -> None:
             twiddled = ENGINES[engine].get("twiddled_decode")
             generator = StaticCacheGenerator(model, **ENGINES[engine])
             with context(), engine_environment(engine, args.alt_choices, args.shrink_settings):
-                if twiddled and any(isinstance(module, NVFP4A16Linear) for module in model.modules()):
+                if twiddled and nvfp4_codes(model):
                     agreement = twiddled_agreement(model, engine, max(args.batches), args.prompt_tokens, vocab)
                     rows.append({"backend": f"ours ({engine}), {label}", "greedy_agreement": agreement})
                     print(f"{engine}, {label}: greedy tokens with twiddled vs standard codes: "

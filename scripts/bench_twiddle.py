@@ -97,44 +97,52 @@ def main() -> None:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
 
 
-def time_window(config, model: str, repeats: int = 5) -> None:
-    """Median ms of `twiddle.twiddled_codes` over random codes of every projection of ``config``, and of cloning
-    them (one read and one write of the same bytes)."""
-    codes = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-             for _ in range(config.num_hidden_layers) for rows, k in layer_groups(config).values() for n in rows]  # fmt: skip
-    size_gb = sum(packed.numel() for packed in codes) / 1e9
-    before = [packed[:4].clone() for packed in codes[:3]]
+def median_ms(run, repeats: int = 5) -> float:
+    """Median milliseconds of ``run()`` between CUDA events on the current stream (host launch gaps included)."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
-    def median_ms(run) -> float:
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+
+def window_ms(codes: list[torch.Tensor], repeats: int = 5) -> float:
+    """Median milliseconds of opening and closing the decode window once over ``codes`` (every tensor permuted in
+    place and back: what the twiddled order costs each rollout)."""
 
     def window() -> None:
         with twiddle.twiddled_codes(codes):
             pass
 
-    window()  # (compiles the pass)
-    window_ms = median_ms(window)
+    return median_ms(window, repeats)
+
+
+def time_window(config, model: str, repeats: int = 5) -> None:
+    """`window_ms` over random codes of every projection of ``config``, with a launch per tensor and with
+    `twiddle.CAPTURE_PASSES`, and the median ms of cloning them (one read and one write of the same bytes)."""
+    codes = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+             for _ in range(config.num_hidden_layers) for rows, k in layer_groups(config).values() for n in rows]  # fmt: skip
+    size_gb = sum(packed.numel() for packed in codes) / 1e9
+    before = [packed[:4].clone() for packed in codes[:3]]
+    window_ms(codes, repeats=1)  # (compiles the pass)
+    launches_ms = window_ms(codes, repeats)
     twiddle.CAPTURE_PASSES = True
     try:
-        window()  # (captures both directions)
-        captured_ms = median_ms(window)
+        window_ms(codes, repeats=1)  # (captures both directions)
+        captured_ms = window_ms(codes, repeats)
     finally:
         twiddle.CAPTURE_PASSES = False
-    clone_ms = median_ms(lambda: [packed.clone() for packed in codes])
+    clone_ms = median_ms(lambda: [packed.clone() for packed in codes], repeats)
     assert all(torch.equal(packed[:4], b) for packed, b in zip(codes, before)), "the window did not restore the codes"
     print(
         f"Decode window, {model} shapes: {len(codes)} code tensors, {size_gb:.2f} GB, {torch.cuda.get_device_name()}"
     )
     print("| what | ms | ratio |\n|---|---|---|")
-    print(f"| window (permute in and out), a launch per tensor | {window_ms:.2f} | {window_ms / clone_ms:.2f} |")
+    print(f"| window (permute in and out), a launch per tensor | {launches_ms:.2f} | {launches_ms / clone_ms:.2f} |")
     print(
         f"| window, each direction one graph replay (CAPTURE_PASSES) | {captured_ms:.2f} | {captured_ms / clone_ms:.2f} |"
     )
