@@ -28,6 +28,7 @@ import json
 import random
 import statistics
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -87,6 +88,91 @@ class StepProbe(TrainerCallback):
         self.steps.append(row)
 
 
+def training_kind(kernel: str) -> str:
+    """Coarse kind of a CUDA kernel of the training half (loss forward, recomputation and backward), by name."""
+    name = kernel.lower()
+    if "nvfp4" in name or "dequant" in name:
+        return "NVFP4 matmul / dequantise"
+    if "splitk_reduce" in name:
+        return "NVFP4 split-K reduce"
+    if any(key in name for key in ("fmha", "attention", "flash", "attn")):
+        return "attention"
+    if any(key in name for key in ("gemv", "gemm", "cutlass", "xmma", "sm90_", "splitkreduce", "cublas")):
+        return "cuBLAS GEMM"
+    if any(key in name for key in ("softmax", "nll", "cross_entropy", "gather")):
+        return "log-softmax / loss"
+    if any(key in name for key in ("rms", "norm")):
+        return "norms"
+    return "elementwise / other"
+
+
+def summarise_profile(prof, wall_ms: float, label: str) -> dict:
+    """Kernel time by kind and by name for one profiled training half; ``wall_ms`` against kernel time tells whether
+    the host (launches, Python) or the device is the limit."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kinds: dict[str, list] = {}
+    names: dict[str, list] = {}
+    for event in kernels:
+        for table, key in ((kinds, training_kind(event.name)), (names, event.name)):
+            entry = table.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.device_time_total / 1e3
+    kernel_ms = sum(ms for _, ms in kinds.values())
+    print(f"\nprofile of the training half, {label}: {wall_ms:.0f} ms wall (under the profiler), "
+          f"{len(kernels)} kernels, {kernel_ms:.0f} ms of kernel time")  # fmt: skip
+    print("| kind | kernels | ms |\n|---|---|---|")
+    for kind, (count, ms) in sorted(kinds.items(), key=lambda item: -item[1][1]):
+        print(f"| {kind} | {count} | {ms:.1f} |")
+    by_name = sorted(names.items(), key=lambda item: -item[1][1])
+    for name, (count, ms) in by_name[:15]:
+        print(f"  {ms:8.1f} ms {count:6d}x {name[:110]}")
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+    for event in host:
+        print(f"  host {event.self_cpu_time_total / 1e3:8.1f} ms {event.count:6d}x {event.key[:100]}")
+    return {"label": label, "wall_ms": wall_ms, "kernels": len(kernels), "kernel_ms": kernel_ms,
+            "by_kind": {k: {"kernels": c, "ms": ms} for k, (c, ms) in kinds.items()},
+            "by_name": [{"name": n, "kernels": c, "ms": ms} for n, (c, ms) in by_name[:40]],
+            "host_by_op": [{"op": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1e3}
+                           for e in host]}  # fmt: skip
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profiled_trainer(step: int):
+    """`QeRLGRPOTrainer` that profiles the training half of optimizer step ``step`` (0-based): from the moment its
+    inputs are ready (rollout, rewards and log-probs done) to the end of the backward, CPU and CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    class ProfiledTrainer(QeRLGRPOTrainer):
+        training_half_profile: dict | None = None
+        _profiler = None
+
+        def _prepare_inputs(self, generation_batch):
+            inputs = super()._prepare_inputs(generation_batch)
+            if self.state.global_step == step and self._profiler is None and self.training_half_profile is None:
+                _synchronize()
+                self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self._profiler.__enter__()
+                self._profile_start = time.perf_counter()
+            return inputs
+
+        def training_step(self, model, inputs, num_items_in_batch):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self._profiler is not None and self.accelerator.sync_gradients:
+                _synchronize()
+                wall_ms = 1e3 * (time.perf_counter() - self._profile_start)
+                self._profiler.__exit__(None, None, None)
+                label = f"{self.args.quantization}, step {step}"
+                self.training_half_profile = summarise_profile(self._profiler, wall_ms, label)
+                self._profiler = None
+            return loss
+
+    return ProfiledTrainer
+
+
 def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
@@ -114,7 +200,7 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         output_dir=tempfile.mkdtemp(prefix=f"grpo-{mode}-"),
         pad_to_multiple_of=pad_setting(args.pad_to_multiple_of),
         quantization=mode,
-        max_steps=args.steps,
+        max_steps=args.steps + bool(args.profile_train),  # the profiled step is extra, and not averaged
         per_device_train_batch_size=batch,
         num_generations=args.num_generations or batch,
         max_completion_length=args.completion_tokens,
@@ -130,7 +216,8 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         seed=0,
     )
     probe = StepProbe()
-    trainer = QeRLGRPOTrainer(
+    trainer_class = profiled_trainer(args.steps) if args.profile_train else QeRLGRPOTrainer
+    trainer = trainer_class(
         model,
         callbacks=[probe],
         reward_funcs=varied_reward,
@@ -154,6 +241,7 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         if torch.is_tensor(t)
     )
     warmup, *steps = [e for e in trainer.state.log_history if "time/step_s" in e]  # the warm-up is not averaged
+    steps = steps[: args.steps - 1]  # without the profiled step, if any
     mean = lambda key: statistics.mean(e[key] for e in steps)  # noqa: E731
     result = {
         "mode": mode,
@@ -175,6 +263,7 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         "forward_backward_s_each": [e["time/forward_backward_s"] for e in steps],
         "probe_each": probe.steps,
         "warmup": {key: warmup[key] for key in ("time/step_s", "time/forward_backward_s", "completions/mean_length")},
+        "training_half_profile": getattr(trainer, "training_half_profile", None),
         "eos_rate": args.eos_rate,
         "pad_to_multiple_of": trainer.args.pad_to_multiple_of,
         **build,
@@ -215,6 +304,9 @@ def main() -> None:
                         "then give geometric completion lengths, mean ~1/rate, as real data's spread would")  # fmt: skip
     parser.add_argument("--pad-to-multiple-of", default="auto",
                         help="QeRLConfig.pad_to_multiple_of: 'auto' (64 on CUDA), 'none' or a number")  # fmt: skip
+    parser.add_argument("--profile-train", action="store_true",
+                        help="after the timed steps, one more step whose training half (loss forward, recomputation, "
+                        "backward) is profiled: kernel time by kind and name, against its wall time")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
