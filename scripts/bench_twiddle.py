@@ -13,7 +13,7 @@ make the products faster?
 
 ``--window``: instead, what the fast engine's decode window costs per rollout (`twiddle.twiddled_codes`: every code
 tensor of the model permuted in place and back), on random codes at the model's projection shapes, with a launch per
-tensor (the default) and with each direction one CUDA-graph replay (`twiddle.CAPTURE_PASSES`), against a copy of the
+tensor and with each direction one CUDA-graph replay (`twiddle.CAPTURE_PASSES`, the default), against a copy of the
 same bytes (``clone``) in the same run.
 
 Usage (a CUDA GPU):
@@ -128,14 +128,16 @@ def time_window(config, model: str, repeats: int = 5) -> None:
              for _ in range(config.num_hidden_layers) for rows, k in layer_groups(config).values() for n in rows]  # fmt: skip
     size_gb = sum(packed.numel() for packed in codes) / 1e9
     before = [packed[:4].clone() for packed in codes[:3]]
-    window_ms(codes, repeats=1)  # (compiles the pass)
-    launches_ms = window_ms(codes, repeats)
-    twiddle.CAPTURE_PASSES = True
+    shipped = twiddle.CAPTURE_PASSES
     try:
+        twiddle.CAPTURE_PASSES = False
+        window_ms(codes, repeats=1)  # (compiles the pass)
+        launches_ms = window_ms(codes, repeats)
+        twiddle.CAPTURE_PASSES = True
         window_ms(codes, repeats=1)  # (captures both directions)
         captured_ms = window_ms(codes, repeats)
     finally:
-        twiddle.CAPTURE_PASSES = False
+        twiddle.CAPTURE_PASSES = shipped
     clone_ms = median_ms(lambda: [packed.clone() for packed in codes], repeats)
     assert all(torch.equal(packed[:4], b) for packed, b in zip(codes, before)), "the window did not restore the codes"
     print(
