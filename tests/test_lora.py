@@ -89,6 +89,43 @@ def test_packed_weights_never_change_in_training(checkpoint):
     assert all(torch.equal(p, packed[n]) for n, p in model.named_parameters() if n in packed)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_lora_layer_matches_the_formula_in_bf16_forward_and_backward(checkpoint, autocast):
+    """``y = base(x) + scaling * B(A(x))``, its input gradient and the fp32 masters' gradients, in bf16 (the GPU
+    path's dtype; with and without autocast, as in the loss forward and in rollouts), against float64 arithmetic on
+    the same values. The expand, the scaling and the sum are one ``addmm``: nothing may change the result beyond
+    bf16 rounding."""
+    model = get_peft_model(_nvfp4(checkpoint), nvfp4_lora_config(r=4, lora_alpha=8))  # scaling 2
+    layer = next(m for m in model.modules() if isinstance(m, LoraNVFP4Linear))
+    weight_a, weight_b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    assert weight_a.dtype == weight_b.dtype == torch.float32 and layer.scaling["default"] == 2.0
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        weight_b.copy_(torch.randn(weight_b.shape, generator=generator) * 0.1)
+    x = torch.randn(2, 5, weight_a.shape[1], generator=generator).bfloat16().requires_grad_()
+    upstream = torch.randn(2, 5, weight_b.shape[0], generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    (y.float() * upstream).sum().backward()
+
+    x64 = x.detach().double().requires_grad_()
+    a64 = weight_a.detach().bfloat16().double().requires_grad_()
+    b64 = weight_b.detach().bfloat16().double().requires_grad_()
+    with torch.no_grad():
+        base = layer.base_layer(x.detach()).double()
+    expected = base + 2.0 * (x64 @ a64.T) @ b64.T
+    (expected * upstream.double()).sum().backward()
+    assert relative_error(y.double(), expected) < 1e-2
+    assert relative_error(weight_b.grad.double(), b64.grad) < 2e-2
+    assert relative_error(weight_a.grad.double(), a64.grad) < 2e-2
+    x_base = x.detach().clone().requires_grad_()
+    (layer.base_layer(x_base).float() * upstream).sum().backward()  # the frozen base's share of the input gradient
+    expected_x_grad = x_base.grad.double() + 2.0 * (upstream.double() @ b64 @ a64)
+    assert relative_error(x.grad.double(), expected_x_grad) < 2e-2
+    assert weight_a.grad.dtype == weight_b.grad.dtype == torch.float32
+
+
 def test_saved_adapter_is_standard_and_round_trips(checkpoint, tmp_path):
     model = get_peft_model(_nvfp4(checkpoint), nvfp4_lora_config(r=4))
     _train_steps(model)

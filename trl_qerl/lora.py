@@ -97,13 +97,27 @@ class LoraNVFP4Linear(LoraLinear):
                 continue
             lora_a, lora_b = self.lora_A[active_adapter], self.lora_B[active_adapter]
             dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
-            hidden = dropout(x)
-            if torch.is_autocast_enabled():
-                output = lora_b(lora_a(hidden))
-            else:  # fp32 masters, products in the activation dtype (what autocast does in the loss forward)
-                output = F.linear(F.linear(hidden, lora_a.weight.to(hidden.dtype)), lora_b.weight.to(hidden.dtype))
-            result = result + (output * scaling).to(result.dtype)
+            result = _add_lora_product(result, dropout(x), lora_a.weight, lora_b.weight, scaling)
         return result
+
+
+def _add_lora_product(
+    result: torch.Tensor, hidden: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """``result + scaling * B(A(hidden))`` with the products in the activation dtype (the fp32 masters cast to it, as
+    autocast does in the loss forward). The expand, the scaling and the sum are one GEMM (``addmm``, alpha =
+    ``scaling``): no elementwise pass over the ``[tokens, out_features]`` output, forward or backward (the scaling
+    lands on the small ``[tokens, r]`` and ``[r, out]`` gradients instead)."""
+    device = hidden.device.type
+    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    shrunk = F.linear(hidden.to(compute), weight_a.to(compute))
+    if result.dtype != compute:  # e.g. an fp32 base output under bf16 autocast: the sum keeps the base's dtype
+        return result + (F.linear(shrunk, weight_b.to(compute)) * scaling).to(result.dtype)
+    flat = torch.addmm(
+        result.reshape(-1, result.shape[-1]), shrunk.reshape(-1, shrunk.shape[-1]), weight_b.to(compute).t(),
+        alpha=scaling,
+    )  # fmt: skip
+    return flat.view(result.shape)
 
 
 def register_nvfp4_lora(config: LoraConfig) -> LoraConfig:
