@@ -126,6 +126,29 @@ def test_lora_layer_matches_the_formula_in_bf16_forward_and_backward(checkpoint,
     assert weight_a.grad.dtype == weight_b.grad.dtype == torch.float32
 
 
+def test_lora_product_accumulates_in_place_only_into_a_fresh_base_output():
+    """The base layer's own output takes the LoRA product in place (no copy of the layer's output); a view, or an
+    output of another dtype, gets a new tensor with the same values."""
+    from trl_qerl.lora import _add_lora_product
+
+    generator = torch.Generator().manual_seed(1)
+    hidden, weight_a, weight_b = (torch.randn(shape, generator=generator) for shape in ((6, 8), (2, 8), (5, 2)))
+    expected = 0.5 * hidden @ weight_a.T @ weight_b.T
+    fresh = torch.randn(6, 5, generator=generator)
+    base = fresh.clone()
+    assert _add_lora_product(fresh, hidden, weight_a, weight_b, 0.5) is fresh
+    torch.testing.assert_close(fresh, base + expected)
+    view = base.clone()[:, :5]
+    assert view._is_view()
+    before = view.clone()
+    out = _add_lora_product(view, hidden, weight_a, weight_b, 0.5)
+    assert out is not view and torch.equal(view, before)
+    torch.testing.assert_close(out, before + expected)
+    wider = base.double()
+    out = _add_lora_product(wider, hidden, weight_a, weight_b, 0.5)
+    assert out.dtype == torch.float64 and torch.equal(wider, base.double())
+
+
 def test_saved_adapter_is_standard_and_round_trips(checkpoint, tmp_path):
     model = get_peft_model(_nvfp4(checkpoint), nvfp4_lora_config(r=4))
     _train_steps(model)

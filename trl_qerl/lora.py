@@ -91,33 +91,36 @@ class LoraNVFP4Linear(LoraLinear):
             return self.base_layer(x, *args, **kwargs)
         if adapter_names is not None:
             return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
+        flat = x.reshape(-1, x.shape[-1])  # 2-D: the base layer's output is then its Function's own, not a view
+        result = self.base_layer(flat, *args, **kwargs)
         for active_adapter in self.active_adapters:
             if active_adapter not in self.lora_A:
                 continue
             lora_a, lora_b = self.lora_A[active_adapter], self.lora_B[active_adapter]
             dropout, scaling = self.lora_dropout[active_adapter], self.scaling[active_adapter]
-            result = _add_lora_product(result, dropout(x), lora_a.weight, lora_b.weight, scaling)
-        return result
+            result = _add_lora_product(result, dropout(flat), lora_a.weight, lora_b.weight, scaling)
+        return result.view(*x.shape[:-1], result.shape[-1])
 
 
 def _add_lora_product(
     result: torch.Tensor, hidden: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """``result + scaling * B(A(hidden))`` with the products in the activation dtype (the fp32 masters cast to it, as
-    autocast does in the loss forward). The expand, the scaling and the sum are one GEMM (``addmm``, alpha =
-    ``scaling``): no elementwise pass over the ``[tokens, out_features]`` output, forward or backward (the scaling
-    lands on the small ``[tokens, r]`` and ``[r, out]`` gradients instead)."""
+    """``result + scaling * B(A(hidden))`` for 2-D ``result`` and ``hidden``, with the products in the activation
+    dtype (the fp32 masters cast to it, as autocast does in the loss forward).
+
+    The expand, the scaling and the sum are one GEMM accumulating into the base layer's output in place (``addmm_``,
+    alpha = ``scaling``): no elementwise pass and no copy of the ``[tokens, out_features]`` output, forward or
+    backward (the scaling lands on the small ``[tokens, r]`` and ``[r, out]`` gradients). In place is safe because
+    ``result`` is the base layer's fresh output (`NVFP4LinearFunction` returns no view), which its backward does not
+    read (it saves only the packed weights). Elsewhere (a view, another dtype) the sum is out of place.
+    """
     device = hidden.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     shrunk = F.linear(hidden.to(compute), weight_a.to(compute))
-    if result.dtype != compute:  # e.g. an fp32 base output under bf16 autocast: the sum keeps the base's dtype
-        return result + (F.linear(shrunk, weight_b.to(compute)) * scaling).to(result.dtype)
-    flat = torch.addmm(
-        result.reshape(-1, result.shape[-1]), shrunk.reshape(-1, shrunk.shape[-1]), weight_b.to(compute).t(),
-        alpha=scaling,
-    )  # fmt: skip
-    return flat.view(result.shape)
+    expand = weight_b.to(compute).t()
+    if result.dtype != compute or result._is_view() or not result.is_contiguous():
+        return result + (shrunk @ expand * scaling).to(result.dtype)
+    return result.addmm_(shrunk, expand, alpha=scaling)
 
 
 def register_nvfp4_lora(config: LoraConfig) -> LoraConfig:

@@ -66,30 +66,28 @@ class NVFP4WeightError(ValueError):
 
 
 class NVFP4LinearFunction(torch.autograd.Function):
-    """``y = x @ dequant(W).T + b`` that saves only the packed weight tensors for backward."""
+    """``y = x @ dequant(W).T + b`` on 2-D ``x``, saving only the packed weight tensors for backward.
+
+    Its output is a fresh tensor, not a view (reshaping happens in `nvfp4_linear`, outside the Function), so callers
+    may accumulate into it in place: `LoraNVFP4Linear` adds its LoRA product with one in-place ``addmm_``."""
 
     @staticmethod
     def forward(ctx, x, weight_packed, weight_scale, weight_global_scale, bias):
-        kernels = kernels_for(x.device)
-        flat = x.reshape(-1, x.shape[-1])
-        out = kernels.linear(flat, weight_packed, weight_scale, weight_global_scale)
+        out = kernels_for(x.device).linear(x, weight_packed, weight_scale, weight_global_scale)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.save_for_backward(weight_packed, weight_scale, weight_global_scale)
-        ctx.input_shape = x.shape
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         weight_packed, weight_scale, weight_global_scale = ctx.saved_tensors
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             kernels = kernels_for(grad_out.device)
-            grad_x = kernels.grad_input(flat_grad, weight_packed, weight_scale, weight_global_scale)
-            grad_x = grad_x.reshape(ctx.input_shape)
+            grad_x = kernels.grad_input(grad_out, weight_packed, weight_scale, weight_global_scale)
         if ctx.needs_input_grad[4]:
-            grad_bias = flat_grad.sum(dim=0)
+            grad_bias = grad_out.sum(dim=0)
         return grad_x, None, None, None, grad_bias
 
 
@@ -100,8 +98,11 @@ def nvfp4_linear(
     weight_global_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Functional form of `NVFP4A16Linear.forward`; differentiable w.r.t. ``x`` and ``bias``; in ``x.dtype``."""
-    return NVFP4LinearFunction.apply(x, weight_packed, weight_scale, weight_global_scale, bias)
+    """Functional form of `NVFP4A16Linear.forward`; differentiable w.r.t. ``x`` and ``bias``; in ``x.dtype``. A 2-D
+    ``x`` gives the autograd Function's own (non-view) output."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = NVFP4LinearFunction.apply(flat, weight_packed, weight_scale, weight_global_scale, bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 _aten = torch.ops.aten
