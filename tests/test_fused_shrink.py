@@ -68,7 +68,7 @@ def _assert_shrink(t, h, lora_a):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
 @pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
-@pytest.mark.parametrize("shape", [(1, 200), (3, 1100), (1, 9000)], ids=["1x200", "3x1100", "1x9000"])
+@pytest.mark.parametrize("shape", [(1, 200), (3, 1100), (2, 5120), (1, 9000)], ids=["1x200", "3x1100", "2x5120", "1x9000"])
 def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, shape):
     _check_norm_shrink(dtype, residual, ranks, shape)
 
@@ -198,7 +198,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
-    first, at 1 to 8 rows per program."""
+    first, at 1 to 8 rows per program and at a 14B row's width in one step."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     result = tmp_path / "resources.json"
@@ -207,7 +207,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     resources = json.loads(result.read_text())
-    assert len(resources) == 7
+    assert len(resources) == 8
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
@@ -238,6 +238,11 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
                           ROWS=rows, ONE_STEP=True)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
+    columns = min(triton.next_power_of_2(5120), K.NORM_MAX_BLOCK_K)  # a 14B / 32B row in one step
+    constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=K.rank_block(8, [32] * 3, columns),
+                      BLOCK_K=columns, ROWS=1, ONE_STEP=True)  # fmt: skip
+    compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns))
+    results["norm 14B row"] = resources_of(compiled.asm["cubin"], folder)
     return results
 
 
