@@ -73,14 +73,15 @@ def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, s
     _check_norm_shrink(dtype, residual, ranks, shape)
 
 
-NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0)}
+NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0),
+                "steps_of_8192": dict(NORM_MAX_BLOCK_K=8192)}  # fmt: skip
 
 
-@pytest.mark.parametrize("shape", [(3, 1100), (6, 300), (2, 9000)], ids=["3x1100", "6x300", "2x9000"])
+@pytest.mark.parametrize("shape", [(3, 1100), (6, 300), (2, 5120), (2, 9000)], ids=["3x1100", "6x300", "2x5120", "2x9000"])
 @pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
-    """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's)
-    and the row in two passes (rows wider than a step always take those)."""
+    """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's),
+    the row in two passes (rows wider than a step always take those), and steps of 8,192 columns (a 14B row in one)."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     for name, value in NORM_LAYOUTS[layout].items():
@@ -198,7 +199,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
-    first, at 1 to 8 rows per program and at a 14B row's width in one step."""
+    first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B row in one)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     result = tmp_path / "resources.json"
@@ -238,7 +239,7 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
                           ROWS=rows, ONE_STEP=True)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
-    columns = min(triton.next_power_of_2(5120), K.NORM_MAX_BLOCK_K)  # a 14B / 32B row in one step
+    columns = triton.next_power_of_2(5120)  # a 14B / 32B row in one step (``NORM_MAX_BLOCK_K=8192``)
     constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=K.rank_block(8, [32] * 3, columns),
                       BLOCK_K=columns, ROWS=1, ONE_STEP=True)  # fmt: skip
     compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns))

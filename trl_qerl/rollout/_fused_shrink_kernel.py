@@ -66,10 +66,12 @@ NORM_ROWS = 1
 """Rows per program of the norm shrinks (each program reads its A tile once for them)."""
 NORM_ONE_STEP = 1
 """Rows that fit one ``BLOCK_K`` step (7B: 3,584 of 4,096) load ``x`` once and the A tile before the statistics."""
-NORM_MAX_BLOCK_K = 8192
-"""Columns per step of the norm shrinks: rows up to 8,192 wide (14B and 32B: 5,120; 72B: 8,192) take one step. With
-`MAX_BLOCK_K` (4,096) a 14B row took two passes of two steps, the second three-quarters masked: 8.1 µs per call at
-8 rows against 4.1 at 7B (H200, 2026-12-03, 96 calls and 0.78 ms of a 6.14 ms 14B decode step)."""
+NORM_MAX_BLOCK_K = MAX_BLOCK_K
+"""Columns per step of the norm shrinks. With 4,096 a 14B or 32B row (5,120) takes two passes of two steps, the second
+three-quarters masked: 8.1 µs per call at 8 rows against 4.1 at 7B (H200, 2026-12-03: 96 calls, 0.78 ms of a 6.14 ms
+14B decode step). 8,192 takes such rows (and 72B's 8,192) in one step; it is CPU-tested (Triton's interpreter, and
+compiled for sm_90 without spills) but **not yet measured**, so it is not the default. To measure it: ``python
+scripts/bench_fused_shrink.py --model qwen2.5-14b --rows 1 8 --variants NORM_MAX_BLOCK_K=8192``."""
 
 
 @triton.jit
