@@ -1,6 +1,6 @@
-"""`scripts/bench_grpo_step.py` with a length spread (``--eos-rate``) and a padding setting, on the tiny shape on CPU:
-completions end early at different lengths, the trainer gets the EOS ids and the padding asked for, and the JSON
-keeps every measured step's length."""
+"""`scripts/bench_grpo_step.py` with a length spread (``--eos-rate``), a padding setting and ``--profile-train``, on the
+tiny shape on CPU: completions end early at different lengths, the trainer gets the EOS ids and the padding asked for,
+the JSON keeps every measured step's length, and one extra step's training half is profiled, not averaged."""
 
 from __future__ import annotations
 
@@ -34,11 +34,16 @@ def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
     command = [
         sys.executable, str(SCRIPTS / "bench_grpo_step.py"), "--model", "tiny", "--in-memory", "--modes", "nvfp4",
         "--batch", "4", "--prompt-tokens", "8", "--completion-tokens", "32", "--rollout-backend", "fast",
-        "--steps", "3", "--eos-rate", "0.2", "--pad-to-multiple-of", "16", "--json", str(out),
+        "--steps", "3", "--eos-rate", "0.2", "--pad-to-multiple-of", "16", "--profile-train", "--json", str(out),
     ]  # fmt: skip
     subprocess.run(command, check=True, cwd=SCRIPTS, capture_output=True, text=True, timeout=600)
     row = json.loads(out.read_text())["results"][0]
     assert row["eos_rate"] == 0.2 and row["pad_to_multiple_of"] == 16
     lengths = [row["warmup"]["completions/mean_length"], *row["completion_length_each"]]
     assert len(lengths) == 3 and all(0 < length < 32 for length in lengths)  # rows ended early, at ~1/0.2 tokens
-    assert [probe["step"] for probe in row["probe_each"]] == [1, 2, 3]  # one probe per optimizer step
+    # one probe per optimizer step; the fourth step is the profiled one, which is not averaged
+    assert [probe["step"] for probe in row["probe_each"]] == [1, 2, 3, 4]
+    assert row["steps_averaged"] == 2
+    profile = row["training_half_profile"]
+    assert profile["label"] == "nvfp4, step 3" and profile["wall_ms"] > 0
+    assert profile["host_by_op"] and profile["kernels"] == 0  # CPU: host operators only, no CUDA kernels
