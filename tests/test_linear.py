@@ -42,6 +42,26 @@ def test_backward_matches_dense_autograd():
     assert all(getattr(layer, n).grad is None for n in ("weight_packed", "weight_scale", "weight_global_scale"))
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_two_dimensional_output_is_the_functions_own_and_takes_in_place_sums(bias):
+    """A 2-D input gives the autograd Function's own output, not a view (`LoraNVFP4Linear` adds its LoRA product into
+    it in place, which autograd forbids on a view made inside a custom Function); summing into it in place keeps the
+    input gradient right. A 3-D input gives a view of that output, with the same values."""
+    layer = _layer(bias=bias)
+    x = torch.randn(6, 64, requires_grad=True)
+    out = layer(x)
+    assert not out._is_view() and out.grad_fn is not None
+    extra = torch.randn(6, 48)
+    out.add_(extra)
+    upstream = torch.randn(6, 48)
+    out.backward(upstream)
+    x_ref = x.detach().clone().requires_grad_(True)
+    (F.linear(x_ref, layer.dequantize_weight(torch.float32), layer.bias) + extra).backward(upstream)
+    assert torch.allclose(x.grad, x_ref.grad, atol=1e-5)
+    batched = layer(x.detach().view(2, 3, 64))
+    assert batched.shape == (2, 3, 48) and torch.equal(batched.reshape(6, 48), layer(x.detach()))
+
+
 def test_gradcheck_in_float64():
     layer = _layer(in_features=32, out_features=8)
     x = torch.randn(3, 32, dtype=torch.float64, requires_grad=True)
