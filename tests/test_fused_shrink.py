@@ -68,7 +68,9 @@ def _assert_shrink(t, h, lora_a):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
 @pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
-@pytest.mark.parametrize("shape", [(1, 200), (3, 1100), (2, 5120), (1, 9000)], ids=["1x200", "3x1100", "2x5120", "1x9000"])
+@pytest.mark.parametrize(
+    "shape", [(1, 200), (3, 1100), (2, 5120), (1, 9000)], ids=["1x200", "3x1100", "2x5120", "1x9000"]
+)
 def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, shape):
     _check_norm_shrink(dtype, residual, ranks, shape)
 
@@ -77,7 +79,9 @@ NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, 
                 "steps_of_8192": dict(NORM_MAX_BLOCK_K=8192)}  # fmt: skip
 
 
-@pytest.mark.parametrize("shape", [(3, 1100), (6, 300), (2, 5120), (2, 9000)], ids=["3x1100", "6x300", "2x5120", "2x9000"])
+@pytest.mark.parametrize(
+    "shape", [(3, 1100), (6, 300), (2, 5120), (2, 9000)], ids=["3x1100", "6x300", "2x5120", "2x9000"]
+)
 @pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
     """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's),
