@@ -149,6 +149,15 @@ def test_lora_product_accumulates_in_place_only_into_a_fresh_base_output():
     assert out.dtype == torch.float64 and torch.equal(wider, base.double())
 
 
+def test_nvfp4_lora_model_traces_without_graph_breaks(checkpoint):
+    """``torch.compile`` (the fast backend's ``model`` engine compiles the model's forward) traces the LoRA layer
+    whole: its in-place check (`Tensor._is_view`) runs only eagerly."""
+    model = get_peft_model(_nvfp4(checkpoint), nvfp4_lora_config(r=4))
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(random_tokens())
+    assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
+
+
 def test_saved_adapter_is_standard_and_round_trips(checkpoint, tmp_path):
     model = get_peft_model(_nvfp4(checkpoint), nvfp4_lora_config(r=4))
     _train_steps(model)

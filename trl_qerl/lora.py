@@ -112,14 +112,18 @@ def _add_lora_product(
     alpha = ``scaling``): no elementwise pass and no copy of the ``[tokens, out_features]`` output, forward or
     backward (the scaling lands on the small ``[tokens, r]`` and ``[r, out]`` gradients). In place is safe because
     ``result`` is the base layer's fresh output (`NVFP4LinearFunction` returns no view), which its backward does not
-    read (it saves only the packed weights). Elsewhere (a view, another dtype) the sum is out of place.
+    read (it saves only the packed weights). Elsewhere (a view, another dtype, or traced by ``torch.compile``) the sum
+    is out of place.
     """
     device = hidden.device.type
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     shrunk = F.linear(hidden.to(compute), weight_a.to(compute))
     expand = weight_b.to(compute).t()
-    if result.dtype != compute or result._is_view() or not result.is_contiguous():
+    if result.dtype != compute:
         return result + (shrunk @ expand * scaling).to(result.dtype)
+    if torch.compiler.is_compiling() or result._is_view() or not result.is_contiguous():
+        # (traced: `_is_view` would break the graph, and inductor chooses in place for itself)
+        return torch.addmm(result, shrunk, expand, alpha=scaling)
     return result.addmm_(shrunk, expand, alpha=scaling)
 
 
