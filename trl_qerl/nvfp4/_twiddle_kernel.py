@@ -8,6 +8,8 @@ in device memory, took 21-32 ms to permute a 7B model's codes in and out (H200, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +46,7 @@ def _permute_bits_kernel(words_ptr, count,
     tl.store(words_ptr + offsets, out.to(tl.int32, bitcast=True), mask=valid)
 
 
-def permute_bits_(words: torch.Tensor, groups: list[tuple[int, int]]) -> None:
+def permute_bits_(words: torch.Tensor, groups: Sequence[tuple[int, int]]) -> None:
     """Rewrite every int32 of ``words`` as the OR over (r, mask) in ``groups`` (at most `GROUPS`) of
     ``rotate_left(word & mask, r)``."""
     if len(groups) > GROUPS:

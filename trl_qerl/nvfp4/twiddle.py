@@ -21,6 +21,7 @@ decode and tiled kernels build with ``-DNVFP4_TWIDDLED=1`` and every other reade
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -83,6 +84,12 @@ def _untwiddle_sources() -> list[int]:
     return source_of
 
 
+@functools.cache
+def _pass_groups(inverse: bool) -> tuple[tuple[int, int], ...]:
+    """The rotation groups of the Triton pass in one direction (`twiddle`, or `untwiddle` with ``inverse``)."""
+    return tuple(_rotation_groups(_untwiddle_sources() if inverse else _twiddle_sources()))
+
+
 def _permute(packed: torch.Tensor, source_of: list[int]) -> torch.Tensor:
     """Bit b of each output word is bit ``source_of[b]`` of the input word (`_rotation_groups`: one pass each, the
     words widened to int64 so that a left rotation is two shifts and a mask)."""
@@ -136,11 +143,10 @@ def permute_(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """`twiddle` (or, with ``inverse``, `untwiddle`) in place, ``packed`` returned: one Triton pass on CUDA (a few ms
     for a 7B model's codes), `twiddle` / `untwiddle` and a copy elsewhere."""
     _check_in_place(packed)
-    sources = _untwiddle_sources() if inverse else _twiddle_sources()
     if packed.device.type == "cuda":
         from ._twiddle_kernel import permute_bits_  # Triton is needed on CUDA only
 
-        permute_bits_(packed.view(torch.int32), _rotation_groups(sources))
+        permute_bits_(packed.view(torch.int32), _pass_groups(inverse))
         return packed
     return packed.copy_(untwiddle(packed) if inverse else twiddle(packed))
 
@@ -170,7 +176,7 @@ def _captured_passes(codes: Sequence[torch.Tensor], inverse: bool) -> torch.cuda
 
         for packed in codes:
             _check_in_place(packed)
-        groups = _rotation_groups(_untwiddle_sources() if inverse else _twiddle_sources())
+        groups = _pass_groups(inverse)
         permute_bits_(torch.zeros(1, dtype=torch.int32, device=codes[0].device), groups)  # (compiles outside capture)
         graph = torch.cuda.CUDAGraph()
         try:
