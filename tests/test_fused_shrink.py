@@ -243,7 +243,7 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
                           ROWS=rows, ONE_STEP=True)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
-    columns = triton.next_power_of_2(5120)  # a 14B / 32B row in one step (``NORM_MAX_BLOCK_K=8192``)
+    columns = K.block_k(5120, 8192)  # a 14B / 32B row in one step (``NORM_MAX_BLOCK_K=8192``)
     constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=K.rank_block(8, [32] * 3, columns),
                       BLOCK_K=columns, ROWS=1, ONE_STEP=True)  # fmt: skip
     compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns))

@@ -263,8 +263,8 @@ def _silu_mul_shrink_rows_kernel(
     _store_splits(part, targets, live[:, None], partial_ptr, count_ptr, slot, split, tile, ROWS * BLOCK_R, SPLITS)
 
 
-def block_k(width: int) -> int:
-    return min(triton.next_power_of_2(width), MAX_BLOCK_K)
+def block_k(width: int, limit: int = MAX_BLOCK_K) -> int:
+    return min(triton.next_power_of_2(width), limit)
 
 
 def rank_block(rows: int, ranks: list[int], columns: int = MAX_BLOCK_K) -> int:
@@ -322,7 +322,7 @@ def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tenso
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
-    columns = min(triton.next_power_of_2(width), NORM_MAX_BLOCK_K)
+    columns = block_k(width, NORM_MAX_BLOCK_K)
     per_program = min(NORM_ROWS, rows)
     groups = triton.cdiv(rows, per_program)
     block = rank_block(groups, [a.shape[0] for a in lora_a], columns)
