@@ -76,7 +76,7 @@ def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, s
 
 
 NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0),
-                "steps_of_8192": dict(NORM_MAX_BLOCK_K=8192)}  # fmt: skip
+                "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,8 @@ NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, 
 @pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
     """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's),
-    the row in two passes (rows wider than a step always take those), and steps of 8,192 columns (a 14B row in one)."""
+    the row in two passes (rows wider than a step always take those), and the steps of 4,096 columns of before (a 14B
+    row in two passes)."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     for name, value in NORM_LAYOUTS[layout].items():
@@ -151,6 +152,17 @@ def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
     assert all(b * 4096 <= TILE for b in {rank_block(m, [32], 4096) for m in (1, 8, 16, 64)})
 
 
+def test_norm_shrinks_take_a_14b_row_in_one_step_with_rank_blocks_of_two():
+    """A 5,120-column row in one step, and at 8 rows the q/k/v launch keeps rank blocks of 2: with the general `TILE`
+    it fell to blocks of 1 and took 10.2 against 6.5 µs per call (H200, 14B)."""
+    from trl_qerl.rollout import _fused_shrink_kernel as K
+
+    columns = K.block_k(5120, K.NORM_MAX_BLOCK_K)
+    assert columns == 8192 and K.block_k(8192, K.NORM_MAX_BLOCK_K) == 8192
+    assert K.rank_block(8, [32] * 3, columns, K.NORM_TILE) == 2
+    assert K.rank_block(8, [32] * 3, columns) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 200), (5, 3000), (16, 1100)], ids=["2x200", "5x3000", "16x1100"])
 def test_silu_mul_row_kernel_takes_every_row_of_the_launch(dtype, shape):
@@ -203,7 +215,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
-    first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B row in one)."""
+    first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     result = tmp_path / "resources.json"
@@ -212,7 +224,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     resources = json.loads(result.read_text())
-    assert len(resources) == 8
+    assert len(resources) == 9
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
@@ -243,11 +255,13 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
                           ROWS=rows, ONE_STEP=True)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
-    columns = K.block_k(5120, 8192)  # a 14B / 32B row in one step (``NORM_MAX_BLOCK_K=8192``)
-    constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=K.rank_block(8, [32] * 3, columns),
-                      BLOCK_K=columns, ROWS=1, ONE_STEP=True)  # fmt: skip
-    compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns))
-    results["norm 14B row"] = resources_of(compiled.asm["cubin"], folder)
+    for name, width in (("14B", 5120), ("72B", 8192)):  # one step of `NORM_MAX_BLOCK_K`, the widest A tile
+        columns = K.block_k(width, K.NORM_MAX_BLOCK_K)
+        block = K.rank_block(8, [32] * 3, columns, K.NORM_TILE)
+        constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=columns, ROWS=1,
+                          ONE_STEP=True)  # fmt: skip
+        compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
+        results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
     return results
 
 

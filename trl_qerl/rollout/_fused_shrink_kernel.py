@@ -66,12 +66,17 @@ NORM_ROWS = 1
 """Rows per program of the norm shrinks (each program reads its A tile once for them)."""
 NORM_ONE_STEP = 1
 """Rows that fit one ``BLOCK_K`` step (7B: 3,584 of 4,096) load ``x`` once and the A tile before the statistics."""
-NORM_MAX_BLOCK_K = MAX_BLOCK_K
-"""Columns per step of the norm shrinks. With 4,096 a 14B or 32B row (5,120) takes two passes of two steps, the second
-three-quarters masked: 8.1 µs per call at 8 rows against 4.1 at 7B (H200, 2026-12-03: 96 calls, 0.78 ms of a 6.14 ms
-14B decode step). 8,192 takes such rows (and 72B's 8,192) in one step; it is CPU-tested (Triton's interpreter, and
-compiled for sm_90 without spills) but **not yet measured**, so it is not the default. To measure it: ``python
-scripts/bench_fused_shrink.py --model qwen2.5-14b --rows 1 8 --variants NORM_MAX_BLOCK_K=8192``."""
+NORM_MAX_BLOCK_K = 8192
+"""Columns per step of the norm shrinks: a 14B or 32B row (5,120) and 72B's (8,192) in one step. With 4,096 such a row
+took two passes of two steps, the second three-quarters masked. Measured on the H200 (14B, rank 32, 2026-12-03,
+`benchmarks/fourteenth_2026-12-03/`), q/k/v and gate/up norm shrinks, µs per call: 4.7 / 4.7 -> 3.1 / 3.0 at one row,
+8.2 / 9.4 -> 6.5 / 7.4 at eight (with `NORM_TILE` 16,384; with 8,192 the q/k/v shrink at eight rows lost its rank
+block of 2 and took 10.2)."""
+NORM_TILE = 16384
+"""`TILE` of the norm shrinks: the A tile's elements per program (``BLOCK_R x BLOCK_K``), so that steps of 8,192
+columns keep rank blocks of 2. 16 warps (`NORM_MAX_WARPS`) or tiles of 32,768 were slower (same run)."""
+NORM_MAX_WARPS = 8
+"""Most warps per norm-shrink program (``BLOCK_K / 512``, at least one)."""
 
 
 @triton.jit
@@ -267,19 +272,19 @@ def block_k(width: int, limit: int = MAX_BLOCK_K) -> int:
     return min(triton.next_power_of_2(width), limit)
 
 
-def rank_block(rows: int, ranks: list[int], columns: int = MAX_BLOCK_K) -> int:
-    """Rows of A per program: the largest of 4, 2, 1 that divides every rank, keeps the A tile within `TILE` for
-    steps of ``columns``, and still gives `TARGET_PROGRAMS`."""
-    total = sum(ranks)
+def rank_block(rows: int, ranks: list[int], columns: int = MAX_BLOCK_K, tile: int | None = None) -> int:
+    """Rows of A per program: the largest of 4, 2, 1 that divides every rank, keeps the A tile within ``tile``
+    elements (`TILE` unless given) for steps of ``columns``, and still gives `TARGET_PROGRAMS`."""
+    total, tile = sum(ranks), TILE if tile is None else tile
     for block in (4, 2):
-        fits = block * columns <= TILE and all(r % block == 0 for r in ranks)
+        fits = block * columns <= tile and all(r % block == 0 for r in ranks)
         if fits and rows * total // block >= TARGET_PROGRAMS:
             return block
     return 1
 
 
-def _warps(columns: int) -> int:
-    return max(1, min(8, columns // 512))
+def _warps(columns: int, most: int = 8) -> int:
+    return max(1, min(most, columns // 512))
 
 
 def _adapter_args(lora_a: list[torch.Tensor]) -> tuple:
@@ -325,7 +330,7 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     columns = block_k(width, NORM_MAX_BLOCK_K)
     per_program = min(NORM_ROWS, rows)
     groups = triton.cdiv(rows, per_program)
-    block = rank_block(groups, [a.shape[0] for a in lora_a], columns)
+    block = rank_block(groups, [a.shape[0] for a in lora_a], columns, NORM_TILE)
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     has_residual = residual is not None
     residual = residual if has_residual else x
@@ -335,7 +340,7 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
         x, residual, weight, a0, a1, a2, s, h, t, rows, width, rank0, rank1, eps,
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
         HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns,
-        ROWS=per_program, ONE_STEP=bool(NORM_ONE_STEP) and width <= columns, num_warps=_warps(columns),
+        ROWS=per_program, ONE_STEP=bool(NORM_ONE_STEP) and width <= columns, num_warps=_warps(columns, NORM_MAX_WARPS),
     )  # fmt: skip
 
 
