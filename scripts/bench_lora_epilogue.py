@@ -7,7 +7,8 @@ fp32 masters, rounded once), two launches; ``epilogue``: the decode kernel's LoR
 with the chooser's instance (one launch: what ``trl_qerl::nvfp4_linear_grouped_lora`` runs). The shrink
 (``x @ A.T``) is the same in both paths and not timed. Ratios: epilogue / unfused. ``--variants``: compile-time
 switches of the kernel source (``-D`` defines, comma-separated per variant), one more epilogue column each, timed
-in the same run.
+in the same run. ``--sweep``: every decode instance the chooser could pick, with the epilogue; the fastest in the
+build the fast engine runs at that row count (``--choices-build``, `sweep_build`) is what ``--choices`` saves.
 
 Usage (a CUDA GPU):
     python scripts/bench_lora_epilogue.py --model qwen2.5-7b --rows 1 8 16 --rank 32 --json out.json
@@ -25,6 +26,7 @@ from model_shapes import NAMES, qwen25_config
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc
 from trl_qerl.nvfp4.format import quantize
 from trl_qerl.rollout.decoder_spec import LoraTerm, Projection
+from trl_qerl.rollout.fast import TWIDDLE_MAX_ROWS
 from trl_qerl.rollout.fused_decode import _add_lora_as_reductions
 
 
@@ -54,6 +56,10 @@ def main() -> None:
     parser.add_argument("--choices", default=None, metavar="FILE",
                         help="with --sweep: save the fastest instance per launch as LoRA-keyed kernel choices "
                              "(`KernelChooser.lora_key`), for nvfp4/tuned/")  # fmt: skip
+    parser.add_argument("--choices-build", choices=CHOICE_BUILDS, default="engine",
+                        help="with --sweep: the build whose times pick the fastest instance (and --choices): "
+                             "'engine' (default) the one the fast engine runs at that row count, the twiddled code "
+                             "order up to fast.TWIDDLE_MAX_ROWS rows (bf16) and the standard order above")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.choices and not args.sweep:
@@ -102,15 +108,19 @@ def main() -> None:
                 row[f"epilogue_{variant}_us"] = time_us(lambda o=options: epilogue(o))
             if args.sweep:
                 row["sweep_us"], configs = _sweep(epilogue, m, sum(rows), k)
-                best = min(row["sweep_us"], key=row["sweep_us"].get)
-                for variant in args.variants:  # every instance again in each variant's build, for comparison only
+                build = sweep_build(args.choices_build, m)
+                for variant in dict.fromkeys(args.variants + ([build] if build else [])):
                     times, _ = _sweep(epilogue, m, sum(rows), k, nvrtc.define_flags(variant))
                     row["sweep_us"] |= {f"{variant}|{name}": t for name, t in times.items()}
+                times = {c: row["sweep_us"][f"{build}|{c}" if build else c] for c in configs}
+                best = min(times, key=times.get)
+                row["choice_build"], row["fastest"] = build or "standard", best
                 key = kernels.KernelChooser.lora_key(x, sum(rows), k, len(rows), args.rank)
                 lora_choices[key] = kernels._choice_to_json(configs[best])
                 print(
-                    f"  {name}, {m} rows: chosen {row['choice']} {row['epilogue_us']:.1f} µs; fastest with LoRA "
-                    f"{best} {row['sweep_us'][best]:.1f} µs; every instance: "
+                    f"  {name}, {m} rows: chosen {row['choice']} {row['epilogue_us']:.1f} µs (standard build); "
+                    f"fastest with LoRA in the {row['choice_build']} build {best} {times[best]:.1f} µs; every "
+                    "instance: "
                     + ", ".join(f"{c} {t:.1f}" for c, t in sorted(row["sweep_us"].items(), key=lambda i: i[1]))
                 )
             ours = torch.cat(unfused(), dim=1).double()
@@ -125,6 +135,21 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
+
+
+CHOICE_BUILDS = ("engine", "twiddled", "standard")
+TWIDDLED_BUILD = "NVFP4_TWIDDLED=1"
+
+
+def sweep_build(build: str, rows: int) -> str:
+    """The ``-D`` defines of the build whose sweep picks the instance at ``rows`` rows (``""``: the standard build).
+    With the LoRA epilogue the fastest instance differs between builds (H200, 14B down at 8 rows: 32r x 8t kw8 takes
+    20.4 µs twiddled, 28.8 standard, where the standard build's fastest is 16r x 8t kw4), so LoRA-keyed choices are
+    timed in the build the fast engine runs: the twiddled one up to `fast.TWIDDLE_MAX_ROWS` rows."""
+    if build not in CHOICE_BUILDS:
+        raise ValueError(f"build must be one of {CHOICE_BUILDS}, not {build!r}")
+    twiddled = build == "twiddled" or (build == "engine" and rows <= TWIDDLE_MAX_ROWS)
+    return TWIDDLED_BUILD if twiddled else ""
 
 
 def _sweep(epilogue, m: int, n: int, k: int, options: tuple[str, ...] = ()

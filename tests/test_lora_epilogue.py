@@ -221,6 +221,25 @@ def test_shipped_lora_choices_are_decode_instances_whose_epilogue_fits():
     assert found >= 2
 
 
+def test_lora_choices_are_swept_in_the_build_the_engine_runs():
+    """`bench_lora_epilogue.py --sweep --choices` picks instances by the twiddled build's times where the fast engine
+    decodes in that order (up to `fast.TWIDDLE_MAX_ROWS` rows), by the standard build's above, or as asked."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_lora_epilogue import TWIDDLED_BUILD, sweep_build
+
+    from trl_qerl.rollout.fast import TWIDDLE_MAX_ROWS
+
+    assert TWIDDLED_BUILD == "NVFP4_TWIDDLED=1"
+    assert sweep_build("engine", 8) == sweep_build("engine", TWIDDLE_MAX_ROWS) == TWIDDLED_BUILD
+    assert sweep_build("engine", TWIDDLE_MAX_ROWS + 1) == ""
+    assert sweep_build("twiddled", 64) == TWIDDLED_BUILD and sweep_build("standard", 1) == ""
+    with pytest.raises(ValueError, match="build must be one of"):
+        sweep_build("fast", 8)
+
+
 # -- on a GPU -------------------------------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
