@@ -18,8 +18,9 @@ per row) 4.9 / 7.2 / 11.4 / 16.4 per row at 2 / 4 / 8 / 16 rows, 4.3 / 6.2 / 7.8
 the statistics, took 5.0-17.1 µs at 2-16 rows against 3.1-8.2. A draft that multiplied ``[16, 64]`` tiles on the
 tensor cores (3xTF32 ``tl.dot``, commit 4bef487) took 12-20 µs at 1-16 rows (not profiled).
 
-A norm row that fits one step (7B: 3,584 columns) is loaded once, and the program's A tile is loaded before the
-row's statistics, so that its latency overlaps them (`NORM_ONE_STEP`). Measured on the H200 (7B, rank 32,
+A norm row that fits one step (`NORM_MAX_BLOCK_K`: 7B's 3,584 columns, 14B's and 32B's 5,120, 72B's 8,192) is
+loaded once, and the program's A tile is loaded before the row's statistics, so that its latency overlaps them
+(`NORM_ONE_STEP`). Measured on the H200 (7B, rank 32,
 2026-12-03, `benchmarks/fused_decode/norm_shrink_2026-12-03/`): q/k/v and gate/up norm shrinks 2.5 / 2.5 µs at one
 row (two passes, A loaded after the statistics: 3.3 / 3.2), 4.1 / 4.5 at 8 (5.0 / 5.7); in the decode step at batch
 8, 0.228 against 0.282 ms per step for the 56 launches. Programs of several rows (`NORM_ROWS` 2-8: A read once for
