@@ -268,6 +268,35 @@ def test_torch_compile_of_the_grouped_op_matches_eager():
     assert torch.allclose(compiled(x), gate_up(x), atol=1e-2, rtol=1e-2)
 
 
+def test_wave_benchmark_sizes_its_launches_and_refuses_bad_instances():
+    """`scripts/bench_waves.py`: row counts that make whole and partial waves of the GPU's CTA slots."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_waves import nvfp4_megabytes, parse_instance, rows_for_waves
+
+    assert rows_for_waves(2.25, 528, 32) == 1188 * 32 and rows_for_waves(1.0, 264, 16) == 264 * 16
+    assert rows_for_waves(0.001, 10, 16) == 16  # at least one CTA
+    with pytest.raises(ValueError, match="positive"):
+        rows_for_waves(1.0, 0, 32)
+    assert parse_instance("2,1,4") == cuda_mma.MMAConfig(2, 1, 4)
+    for bad in ("2,1", "a,b,c", "3,1,4"):
+        with pytest.raises(SystemExit, match="--instance"):
+            parse_instance(bad)
+    assert nvfp4_megabytes(37888, 3584) == pytest.approx(37888 * (1792 + 224) / 1e6)
+
+
+@needs_cuda
+def test_occupancy_of_a_decode_instance_counts_its_registers():
+    """`CudaKernel.resident_blocks`: at least one CTA per multiprocessor, and at most what the warp limit allows."""
+    config = cuda_mma.MMAConfig(2, 1, 4)
+    build = cuda_mma.kernel(config.name_expression(torch.bfloat16), torch.bfloat16, torch.device("cuda"))
+    per_sm = build.resident_blocks(32 * config.k_warps)
+    warps = torch.cuda.get_device_properties(0).max_threads_per_multi_processor // 32
+    assert 1 <= per_sm <= warps // config.k_warps
+
+
 @needs_cuda
 def test_build_failure_falls_back_to_triton_with_one_warning(monkeypatch, caplog):
     from trl_qerl.nvfp4 import kernels as K

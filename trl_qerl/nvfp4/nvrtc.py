@@ -232,6 +232,17 @@ class CudaKernel:
             )
         return cls(function, module, lowered)
 
+    def resident_blocks(self, threads: int, shared_memory: int = 0) -> int:
+        """How many CTAs of ``threads`` threads (and ``shared_memory`` bytes of dynamic shared memory) fit one
+        multiprocessor at once (``cuOccupancyMaxActiveBlocksPerMultiprocessor``: registers, static shared memory and
+        warps counted)."""
+        blocks = ctypes.c_int()
+        result = cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(blocks), self.function, ctypes.c_int(threads), ctypes.c_size_t(shared_memory)
+        )
+        _check_cuda(result, f"the occupancy of {self.name}")
+        return blocks.value
+
     def launch(
         self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream=None,
         programmatic: bool = False, shared_memory: int = 0,

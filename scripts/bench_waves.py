@@ -1,0 +1,116 @@
+"""Does the NVFP4 decode kernel lose time to its last, partial wave of CTAs? One instance at one K, timed at row
+counts that fill a given number of waves (launch CTAs / CTAs the GPU holds at once), all in one run (CUDA-graph
+replays, median).
+
+Why: a decode launch is latency-bound per warp (Nsight Compute, 7B gate/up at 8 rows: 49 % of DRAM bandwidth, 1.1
+eligible warps per scheduler), so a last wave that fills a quarter of the slots runs at about a quarter of the
+throughput. 7B gate/up (1,184 CTAs of 32 rows over 528 slots) is 2.24 waves. If that tail costs, bandwidth rises
+toward each whole wave and drops just past it (a saw-tooth over the ``waves`` column); if the kernel is limited
+elsewhere, it rises smoothly with size. A persistent or stream-K grid is worth building only in the first case.
+
+Columns: waves, weight rows, MB of NVFP4 bytes (codes and block scales), µs per call, TB/s. The slots come from the
+CUDA occupancy calculator for the instance's build (`nvrtc.CudaKernel.resident_blocks`). The first size's output is
+checked against the float32 product of the dequantised weight (standard build).
+
+Usage (a CUDA GPU):
+    python scripts/bench_waves.py --k 3584 --instance 2,1,4 --lora-rank 32 --twiddled --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from graph_timing import time_us
+
+from trl_qerl.nvfp4 import cuda_mma, twiddle
+from trl_qerl.nvfp4.format import dequantize, quantize
+
+
+WAVES = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5, 4.0, 4.5, 5.0)
+
+
+def rows_for_waves(waves: float, slots: int, rows_per_cta: int) -> int:
+    """Weight rows of a launch (one CTA column of tokens) that makes ``waves`` times ``slots`` CTAs, at least one."""
+    if waves <= 0 or slots <= 0 or rows_per_cta <= 0:
+        raise ValueError(f"waves, slots and rows per CTA must be positive (got {waves}, {slots}, {rows_per_cta})")
+    return max(1, round(waves * slots)) * rows_per_cta
+
+
+def parse_instance(text: str) -> cuda_mma.MMAConfig:
+    """``"M_TILES,N_TILES,K_WARPS"`` -> the decode kernel's instance (its own checks refuse what it cannot build)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--instance: {text!r} is not M_TILES,N_TILES,K_WARPS (e.g. 2,1,4)")
+    try:
+        return cuda_mma.MMAConfig(*(int(p) for p in parts))
+    except ValueError as error:
+        raise SystemExit(f"--instance: {error}") from None
+
+
+def nvfp4_megabytes(rows: int, k: int) -> float:
+    """Codes (half a byte per weight) and FP8 block scales (one byte per 16 weights)."""
+    return rows * (k // 2 + k // 16) / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, default=3584, help="columns of the weight (the layer's input width)")
+    parser.add_argument("--instance", type=parse_instance, default=parse_instance("2,1,4"),
+                        help="M_TILES,N_TILES,K_WARPS of the decode kernel (mma 32r x 8t kw4 is 2,1,4)")  # fmt: skip
+    parser.add_argument("--tokens", type=int, default=8, help="activation rows (the decode batch)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="add LoRA terms of this rank in the epilogue")
+    parser.add_argument("--twiddled", action="store_true", help="time the twiddled build (what the engine runs)")
+    parser.add_argument("--waves", type=float, nargs="+", default=list(WAVES))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    config, device, dtype = args.instance, torch.device("cuda"), torch.bfloat16
+    if args.lora_rank and not cuda_mma.lora_fits(config):
+        raise SystemExit(f"--lora-rank: {config} has no room for the LoRA epilogue")
+    torch.manual_seed(0)
+    options = twiddle.TWIDDLED_BUILD if args.twiddled else ()
+    name = config.name_expression(dtype, lora_rank=args.lora_rank)
+    build = cuda_mma.kernel(name, dtype, device, options)
+    per_sm = build.resident_blocks(32 * config.k_warps)
+    slots = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    x = torch.randn(args.tokens, args.k, device=device, dtype=dtype)
+    print(f"{config}{' + LoRA r' + str(args.lora_rank) if args.lora_rank else ''}, "
+          f"{'twiddled' if args.twiddled else 'standard'} build, K = {args.k}, {args.tokens} tokens; "
+          f"{per_sm} CTAs per multiprocessor, {slots} slots; {torch.cuda.get_device_name()}")  # fmt: skip
+    print("| waves | rows | MB | µs | TB/s |")
+    print("|---|---|---|---|---|")
+    results = []
+    for i, waves in enumerate(args.waves):
+        rows = rows_for_waves(waves, slots, config.rows)
+        weight = tuple(quantize(torch.randn(rows, args.k, device=device) * 0.02))
+        lora = None
+        if args.lora_rank:
+            hidden = torch.randn(args.tokens, args.lora_rank, device=device)
+            lora = cuda_mma.LoraInputs(hidden, [torch.randn(rows, args.lora_rank, device=device) * 0.01], [2.0])
+        if i == 0:
+            _check(x, weight, config, lora)
+        us = time_us(lambda w=weight, lo=lora: cuda_mma.matmul(x, [w], config, options=options, lora=lo))
+        megabytes = nvfp4_megabytes(rows, args.k)
+        results.append({"waves": waves, "rows": rows, "mb": megabytes, "us": us, "tb_per_s": megabytes / us})
+        print(f"| {waves:g} | {rows} | {megabytes:.1f} | {us:.1f} | {megabytes / us:.2f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": {**vars(args), "instance": str(config)}, "slots": slots, "per_sm": per_sm,
+                       "device": torch.cuda.get_device_name(), "results": results}, handle, indent=1)  # fmt: skip
+
+
+def _check(x, weight, config, lora) -> None:
+    """The standard build against the float32 product of the dequantised weight (and the LoRA terms, if any)."""
+    reference = x.float() @ dequantize(*weight, dtype=torch.float32).T
+    if lora is not None:
+        reference = reference.to(x.dtype).float() + lora.scaling[0] * lora.hidden @ lora.lora_b[0].T
+    out = cuda_mma.matmul(x, [weight], config, lora=lora).float()
+    error = ((out - reference).norm() / reference.norm()).item()
+    print(f"relative error of the first size against float32: {error:.1e}")
+    if error > 1e-2:
+        raise SystemExit("the kernel's output does not match the reference: timings would mean nothing")
+
+
+if __name__ == "__main__":
+    main()
