@@ -8,9 +8,12 @@ throughput. 7B gate/up (1,184 CTAs of 32 rows over 528 slots) is 2.24 waves. If 
 toward each whole wave and drops just past it (a saw-tooth over the ``waves`` column); if the kernel is limited
 elsewhere, it rises smoothly with size. A persistent or stream-K grid is worth building only in the first case.
 
-Columns: waves, weight rows, MB of NVFP4 bytes (codes and block scales), µs per call, TB/s. The slots come from the
-CUDA occupancy calculator for the instance's build (`nvrtc.CudaKernel.resident_blocks`). The first size's output is
-checked against the float32 product of the dequantised weight (standard build).
+Columns: waves, weight rows, MB of NVFP4 bytes (codes and block scales), µs per call, TB/s; then, per
+``--tail-splits`` S, a remedy that needs no new kernel: the whole waves as one launch, and the rows of the last
+partial wave as a second launch with K split over S CTAs per tile (the ``SPLIT_K`` build), so that the tail fills
+about S times as many slots. The slots come from the CUDA occupancy calculator for the instance's build
+(`nvrtc.CudaKernel.resident_blocks`). The first size's output is checked against the float32 product of the
+dequantised weight (standard build), and so is each tail-split form's.
 
 Usage (a CUDA GPU):
     python scripts/bench_waves.py --k 3584 --instance 2,1,4 --lora-rank 32 --twiddled --json out.json
@@ -19,6 +22,8 @@ Usage (a CUDA GPU):
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 
 import torch
@@ -49,6 +54,13 @@ def parse_instance(text: str) -> cuda_mma.MMAConfig:
         raise SystemExit(f"--instance: {error}") from None
 
 
+def tail_start(rows: int, slots: int, rows_per_cta: int) -> int:
+    """First weight row of the last partial wave of a launch over ``rows`` (``rows`` when the waves are whole, 0 when
+    there is less than one)."""
+    tiles = -(-rows // rows_per_cta)
+    return min(rows, tiles // slots * slots * rows_per_cta)
+
+
 def nvfp4_megabytes(rows: int, k: int) -> float:
     """Codes (half a byte per weight) and FP8 block scales (one byte per 16 weights)."""
     return rows * (k // 2 + k // 16) / 1e6
@@ -63,6 +75,8 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="add LoRA terms of this rank in the epilogue")
     parser.add_argument("--twiddled", action="store_true", help="time the twiddled build (what the engine runs)")
     parser.add_argument("--waves", type=float, nargs="+", default=list(WAVES))
+    parser.add_argument("--tail-splits", type=int, nargs="*", default=[2, 4], choices=cuda_mma.K_SPLITS[1:],
+                        help="also time the last partial wave as its own launch with K split over this many CTAs")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     config, device, dtype = args.instance, torch.device("cuda"), torch.bfloat16
@@ -78,8 +92,9 @@ def main() -> None:
     print(f"{config}{' + LoRA r' + str(args.lora_rank) if args.lora_rank else ''}, "
           f"{'twiddled' if args.twiddled else 'standard'} build, K = {args.k}, {args.tokens} tokens; "
           f"{per_sm} CTAs per multiprocessor, {slots} slots; {torch.cuda.get_device_name()}")  # fmt: skip
-    print("| waves | rows | MB | µs | TB/s |")
-    print("|---|---|---|---|---|")
+    tails = "".join(f" tail split {splits} µs |" for splits in args.tail_splits)
+    print(f"| waves | rows | MB | µs | TB/s |{tails}")
+    print("|---|---|---|---|---|" + "---|" * len(args.tail_splits))
     results = []
     for i, waves in enumerate(args.waves):
         rows = rows_for_waves(waves, slots, config.rows)
@@ -88,28 +103,59 @@ def main() -> None:
         if args.lora_rank:
             hidden = torch.randn(args.tokens, args.lora_rank, device=device)
             lora = cuda_mma.LoraInputs(hidden, [torch.randn(rows, args.lora_rank, device=device) * 0.01], [2.0])
+        whole = functools.partial(cuda_mma.matmul, x, [weight], config, lora=lora)
         if i == 0:
-            _check(x, weight, config, lora)
-        us = time_us(lambda w=weight, lo=lora: cuda_mma.matmul(x, [w], config, options=options, lora=lo))
+            _check(x, weight, lora, whole)
+        us = time_us(functools.partial(whole, options=options))
         megabytes = nvfp4_megabytes(rows, args.k)
-        results.append({"waves": waves, "rows": rows, "mb": megabytes, "us": us, "tb_per_s": megabytes / us})
-        print(f"| {waves:g} | {rows} | {megabytes:.1f} | {us:.1f} | {megabytes / us:.2f} |", flush=True)
+        row = {
+            "waves": waves,
+            "rows": rows,
+            "mb": megabytes,
+            "us": us,
+            "tb_per_s": megabytes / us,
+            "tail_split_us": {},
+        }
+        start = tail_start(rows, slots, config.rows)
+        for splits in args.tail_splits if start < rows else ():
+            split_form = functools.partial(_head_and_split_tail, x, weight, lora, config, splits, start)
+            _check(x, weight, lora, split_form)
+            row["tail_split_us"][splits] = time_us(functools.partial(split_form, options=options))
+        results.append(row)
+        tail_cells = "".join(f" {row['tail_split_us'][s]:.1f} |" if s in row["tail_split_us"] else " — |"
+                             for s in args.tail_splits)  # fmt: skip
+        print(f"| {waves:g} | {rows} | {megabytes:.1f} | {us:.1f} | {megabytes / us:.2f} |{tail_cells}", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": {**vars(args), "instance": str(config)}, "slots": slots, "per_sm": per_sm,
                        "device": torch.cuda.get_device_name(), "results": results}, handle, indent=1)  # fmt: skip
 
 
-def _check(x, weight, config, lora) -> None:
-    """The standard build against the float32 product of the dequantised weight (and the LoRA terms, if any)."""
+def _head_and_split_tail(x, weight, lora, config, splits, start, options=()) -> torch.Tensor:
+    """The launch's rows before ``start`` with ``config``, the rest with K split over ``splits`` CTAs per tile, into
+    one output (row slices of the weight, its scales and B are views: rows are contiguous)."""
+    packed, scale, global_scale = weight
+    out = torch.empty(x.shape[0], packed.shape[0], device=x.device, dtype=x.dtype)
+    tail_config = dataclasses.replace(config, k_splits=splits)
+    for rows, part_config in ((slice(0, start), config), (slice(start, None), tail_config)):
+        if rows.start == rows.stop:
+            continue
+        part_lora = None if lora is None else dataclasses.replace(lora, lora_b=[lora.lora_b[0][rows]])
+        cuda_mma.matmul(x, [(packed[rows], scale[rows], global_scale)], part_config, out=out[:, rows],
+                        options=options, lora=part_lora)  # fmt: skip
+    return out
+
+
+def _check(x, weight, lora, launch) -> None:
+    """``launch()`` (the standard build) against the float32 product of the dequantised weight (and the LoRA
+    terms, if any)."""
     reference = x.float() @ dequantize(*weight, dtype=torch.float32).T
     if lora is not None:
         reference = reference.to(x.dtype).float() + lora.scaling[0] * lora.hidden @ lora.lora_b[0].T
-    out = cuda_mma.matmul(x, [weight], config, lora=lora).float()
+    out = launch().float()
     error = ((out - reference).norm() / reference.norm()).item()
-    print(f"relative error of the first size against float32: {error:.1e}")
     if error > 1e-2:
-        raise SystemExit("the kernel's output does not match the reference: timings would mean nothing")
+        raise SystemExit(f"relative error {error:.1e} against float32: the timings would mean nothing")
 
 
 if __name__ == "__main__":

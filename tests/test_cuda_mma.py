@@ -274,7 +274,7 @@ def test_wave_benchmark_sizes_its_launches_and_refuses_bad_instances():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from bench_waves import nvfp4_megabytes, parse_instance, rows_for_waves
+    from bench_waves import nvfp4_megabytes, parse_instance, rows_for_waves, tail_start
 
     assert rows_for_waves(2.25, 528, 32) == 1188 * 32 and rows_for_waves(1.0, 264, 16) == 264 * 16
     assert rows_for_waves(0.001, 10, 16) == 16  # at least one CTA
@@ -285,6 +285,42 @@ def test_wave_benchmark_sizes_its_launches_and_refuses_bad_instances():
         with pytest.raises(SystemExit, match="--instance"):
             parse_instance(bad)
     assert nvfp4_megabytes(37888, 3584) == pytest.approx(37888 * (1792 + 224) / 1e6)
+    assert tail_start(37888, 528, 32) == 1056 * 32  # 7B gate/up: 1,184 CTAs, the last 128 are the tail
+    assert tail_start(528 * 32, 528, 32) == 528 * 32  # whole waves: no tail
+    assert tail_start(100 * 32, 528, 32) == 0  # less than one wave: all tail
+    assert tail_start(1000, 10, 16) == 960  # 63 CTAs of 16 rows, the last one short
+
+
+def test_wave_benchmark_tail_split_covers_every_row_once(monkeypatch):
+    """The tail-split form of `bench_waves.py`: the head and the tail launches, each over its row slice of the
+    weight, scales and B (a float64 stand-in for the kernel here), write the whole output as one launch would."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_waves import _head_and_split_tail
+
+    def stand_in(x, weights, config, biases=None, out=None, options=(), lora=None):
+        ((packed, scale, global_scale),) = weights
+        result = x.double() @ dequantize(packed, scale, global_scale, dtype=torch.float64).T
+        if lora is not None:
+            result = result + lora.scaling[0] * lora.hidden.double() @ lora.lora_b[0].double().T
+        out.copy_(result)
+        calls.append((packed.shape[0], config.k_splits))
+        return out
+
+    calls = []
+    monkeypatch.setattr(cuda_mma, "matmul", stand_in)
+    torch.manual_seed(0)
+    weight = tuple(quantize(torch.randn(80, 64)))
+    x, hidden, b = torch.randn(3, 64), torch.randn(3, 8), torch.randn(80, 8)
+    lora = cuda_mma.LoraInputs(hidden, [b], [2.0])
+    out = _head_and_split_tail(x.double(), weight, lora, cuda_mma.MMAConfig(2, 1, 4), 4, 64)
+    expected = x.double() @ dequantize(*weight, dtype=torch.float64).T + 2.0 * hidden.double() @ b.double().T
+    assert torch.allclose(out, expected) and calls == [(64, 1), (16, 4)]
+    calls.clear()
+    _head_and_split_tail(x.double(), weight, None, cuda_mma.MMAConfig(2, 1, 4), 2, 0)  # all tail: one launch
+    assert calls == [(80, 2)]
 
 
 @needs_cuda
