@@ -23,7 +23,7 @@ import torch
 from graph_timing import time_us
 from model_shapes import NAMES, qwen25_config
 
-from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc
+from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc, twiddle
 from trl_qerl.nvfp4.format import quantize
 from trl_qerl.rollout.decoder_spec import LoraTerm, Projection
 from trl_qerl.rollout.fast import TWIDDLE_MAX_ROWS
@@ -138,7 +138,8 @@ def main() -> None:
 
 
 CHOICE_BUILDS = ("engine", "twiddled", "standard")
-TWIDDLED_BUILD = "NVFP4_TWIDDLED=1"
+TWIDDLED_BUILD = ",".join(flag.removeprefix("-D") for flag in twiddle.TWIDDLED_BUILD)
+"""`twiddle.TWIDDLED_BUILD` in the ``--variants`` form (defines without ``-D``)."""
 
 
 def sweep_build(build: str, rows: int) -> str:
