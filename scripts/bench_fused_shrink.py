@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import contextmanager
 
 import torch
+from bench_settings import arm_cells, module_settings
+from bench_settings import parse_settings as parse_module_settings
 from graph_timing import time_us
 from model_shapes import NAMES, qwen25_config
 
@@ -38,26 +39,7 @@ from trl_qerl.rollout.fused_shrink import rms_norm_reference, shrink_reference
 
 def parse_settings(variant: str) -> dict[str, int]:
     """``"NAME=VALUE,NAME=VALUE"`` -> integer settings of `_fused_shrink_kernel` (names it lacks are refused)."""
-    values = {}
-    for item in variant.split(","):
-        name, _, value = item.partition("=")
-        if not hasattr(kernel, name) or not value.lstrip("-").isdigit():
-            raise SystemExit(f"--variants: {item!r} is not NAME=INTEGER for a setting of _fused_shrink_kernel")
-        values[name] = int(value)
-    return values
-
-
-@contextmanager
-def settings(**values):
-    """Module settings of `_fused_shrink_kernel` for one arm (read at each launch)."""
-    saved = {name: getattr(kernel, name) for name in values}
-    for name, value in values.items():
-        setattr(kernel, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(kernel, name, value)
+    return parse_module_settings(variant, kernel)
 
 
 def cases(config, rows: int, rank: int, device) -> dict:
@@ -125,15 +107,14 @@ def main() -> None:
             compiled = torch.compile(reference, dynamic=False)
             row = {"shrink": name, "rows": rows, "inductor_us": time_us(compiled), "arms": {}}
             for arm, values in arms:
-                with settings(**values):
+                with module_settings(kernel, values):
                     t = torch.full((rows, columns), float("nan"), device=device)
                     fused(t)
                     error = relative_error(t, exact)
                     row["arms"][arm] = {"us": time_us(lambda t=t: fused(t)), "rel_err": error}
             results.append(row)
             ratio = row["arms"]["fused"]["us"] / row["inductor_us"]
-            cells = " | ".join(f"{v['us']:.1f}" + ("" if v["rel_err"] < 1e-5 else f" (err {v['rel_err']:.1e})")
-                               for v in row["arms"].values())  # fmt: skip
+            cells = arm_cells(row["arms"], 1e-5)
             print(f"| {name} | {rows} | {row['inductor_us']:.1f} | {cells} | {ratio:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench_settings import module_settings
 from bench_twiddle import window_ms
 from model_shapes import NAMES, qwen25_config, spread_eos
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -174,15 +175,10 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS
     decode_attention.MERGE_IN_PARTIALS = merge_in_partials or engine.endswith("+one_launch_attention")
-    settings = _shrink_settings(engine, shrink_settings)
-    saved_settings = {name: getattr(shrink_kernels, name) for name in settings}
-    for name, value in settings.items():
-        setattr(shrink_kernels, name, value)
     try:
-        yield
+        with module_settings(shrink_kernels, _shrink_settings(engine, shrink_settings)):
+            yield
     finally:
-        for name, value in saved_settings.items():
-            setattr(shrink_kernels, name, value)
         decode_attention.MERGE_IN_PARTIALS = merge_in_partials
         if pdl:
             os.environ.pop("NVFP4_PDL", None)

@@ -101,6 +101,61 @@ def test_the_merge_kernel_equals_the_torch_merge(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_merge_reads_only_the_chunks_up_to_the_position(dtype):
+    """Five chunks of 64 positions, the position (150) in the third: given the position, the merge never reads the
+    last two chunks (NaN there changes nothing) and gives `combine_partials` of the first three."""
+    generator = torch.Generator().manual_seed(6)
+    row_heads, splits, group, head_dim = 4, 5, 3, 16
+    acc = torch.randn(row_heads, splits, group, head_dim, generator=generator)
+    maxima = torch.randn(row_heads, splits, group, generator=generator) * 4
+    sums = torch.rand(row_heads, splits, group, generator=generator) + 0.5
+    expected = combine_partials(acc[:, :3], maxima[:, :3], sums[:, :3]).reshape(2, 2 * group, 1, head_dim)
+    acc[:, 3:], sums[:, 3:], maxima[:, 3:] = float("nan"), float("nan"), MIN_STAT
+    out = torch.full((2, 2 * group, 1, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    position = torch.tensor([150], device=DEVICE)
+    launch_merge(acc.to(DEVICE), maxima.to(DEVICE), sums.to(DEVICE), out, position, cache_len=5 * 64 - 10)
+    assert torch.allclose(out.cpu().float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"MAX_CHUNK": 32}, {"MAX_CHUNK": 100, "BLOCK": 64}, {"BLOCK": 16, "PARTIALS_WARPS": 8}],
+    ids=["short-chunks", "rounded-up-cap", "small-steps-8-warps"],
+)
+def test_chunk_step_and_warp_settings_change_the_launch_not_the_result(monkeypatch, settings):
+    """`MAX_CHUNK` caps the positions per program (rounded up to `BLOCK`), so more chunks split the cache; the output
+    still matches SDPA for every setting, at a position inside a chunk past the first."""
+    from trl_qerl.rollout import decode_attention
+
+    q, keys, values, mask, position = _inputs(2, 6, 2, 300, 16, position=213, dtype=torch.bfloat16, seed=7)
+    default_chunks = split_kv_partials(q, keys, values, mask, 0.3, position)[0].shape[1]
+    for name, value in settings.items():
+        monkeypatch.setattr(decode_attention, name, value)
+    block = decode_attention.BLOCK
+    chunk = decode_attention.chunk_size(300, 4, q.device)
+    assert chunk % block == 0
+    if "MAX_CHUNK" in settings:
+        assert chunk == max(block, -(-settings["MAX_CHUNK"] // block) * block)
+        assert split_kv_partials(q, keys, values, mask, 0.3, position)[0].shape[1] >= default_chunks
+    ours = split_kv_attention(q, keys, values, mask, 0.3, position)
+    assert _relative_error(ours, _sdpa64(q, keys, values, mask, 0.3)) < TOLERANCE[torch.bfloat16]
+
+
+def test_bench_decode_attention_settings_are_checked():
+    """`scripts/bench_decode_attention.py` takes only the settings it names, as positive integers."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_decode_attention import kv_megabytes, parse_settings
+    from model_shapes import qwen25_config
+
+    assert parse_settings("MAX_CHUNK=64,BLOCK=64") == {"MAX_CHUNK": 64, "BLOCK": 64}
+    for bad in ("MIN_STAT=1", "MAX_CHUNK=0", "BLOCK=x", "MAX_CHUNK"):
+        with pytest.raises(SystemExit, match="--variants"):
+            parse_settings(bad)
+    # 14B: 8 key/value heads of 128, keys and values in bf16, positions 0..1279 of 8 rows
+    assert kv_megabytes(qwen25_config("qwen2.5-14b"), 8, 1279) == pytest.approx(2 * 8 * 8 * 1280 * 128 * 2 / 1e6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_launch_merges_as_the_second_kernel_does(monkeypatch, dtype):
     """The last chunk of each (row, key/value head) to arrive merges in the partials launch: the same numbers as the
     two-launch form, bit for bit, and its arrival counters are back at zero for the next launch (or graph replay)."""

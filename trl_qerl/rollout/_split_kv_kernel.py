@@ -60,28 +60,40 @@ def _partials_kernel(
     tl.store(sum_ptr + out + heads, running_sum, mask=heads < GROUP)
     if MERGE:  # the last of the row's chunks to arrive merges them all
         if last_to_arrive(count_ptr, row_head, SPLITS):
-            _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, stride_ob, stride_oh,
-                            KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT, ".cg")  # fmt: skip
+            _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, _chunks_used(last, CHUNK, SPLITS),
+                            stride_ob, stride_oh, KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT,
+                            ".cg")  # fmt: skip
             reset_arrivals(count_ptr, row_head)
 
 
 @triton.jit
+def _chunks_used(last, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
+    """How many chunks hold a position ``<= last`` (the later ones read nothing and weigh exactly zero)."""
+    return tl.minimum(last // CHUNK + 1, SPLITS)
+
+
+@triton.jit
 def _merge_kernel(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, stride_ob, stride_oh,
+    acc_ptr, max_ptr, sum_ptr, out_ptr, position_ptr, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr,
+    CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr,
 ):  # fmt: skip
-    _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, tl.program_id(0), stride_ob, stride_oh,
+    if CHUNK > 0:
+        used = _chunks_used(tl.load(position_ptr), CHUNK, SPLITS)
+    else:
+        used = SPLITS
+    _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, tl.program_id(0), used, stride_ob, stride_oh,
                     KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT, "")  # fmt: skip
 
 
 @triton.jit
 def _merge_row_head(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, stride_ob, stride_oh,
+    acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, used, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr, LOAD: tl.constexpr,
 ):  # fmt: skip
-    """Merge one (row, key/value head)'s chunk partials into ``out``. ``LOAD``: the loads' cache modifier, ``".cg"``
+    """Merge one (row, key/value head)'s chunk partials into ``out``: the first ``used`` chunks (the others saw no
+    position: their weight is exactly zero, so they are not read). ``LOAD``: the loads' cache modifier, ``".cg"``
     (bypass L1) where other programs of the same launch wrote the partials."""
     row = row_head // KV_HEADS
     kv_head = row_head % KV_HEADS
@@ -94,7 +106,7 @@ def _merge_row_head(
     overall = tl.max(tl.load(max_ptr + stats, mask=valid, other=MIN_STAT, cache_modifier=LOAD), 0)
     numerator = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     denominator = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    for split in range(SPLITS):  # one chunk's [GROUP, HEAD_DIM] at a time: all of them would not fit in registers
+    for split in range(used):  # one chunk's [GROUP, HEAD_DIM] at a time: all of them would not fit in registers
         offsets = first + split * GROUP + heads
         weight = tl.exp(tl.load(max_ptr + offsets, mask=heads < GROUP, other=MIN_STAT, cache_modifier=LOAD) - overall)
         denominator += weight * tl.load(sum_ptr + offsets, mask=heads < GROUP, other=0.0, cache_modifier=LOAD)
@@ -112,25 +124,33 @@ def _merge_row_head(
     )  # fmt: skip
 
 
-def merge(acc, maxima, sums, out, min_stat: float) -> None:
-    """`decode_attention.launch_merge`: one program per (row x KV head), writing ``out[B, H, 1, D]``."""
+def merge(acc, maxima, sums, out, min_stat: float, cache_position=None, chunk: int = 0) -> None:
+    """`decode_attention.launch_merge`: one program per (row x KV head), writing ``out[B, H, 1, D]``. With
+    ``cache_position`` and the partials' ``chunk`` it reads only the chunks up to that position."""
     row_heads, splits, group, head_dim = acc.shape
     heads = out.shape[1]
+    bounded = cache_position is not None and chunk > 0
     _merge_kernel[(row_heads,)](
-        acc, maxima, sums, out, out.stride(0), out.stride(1),
+        acc, maxima, sums, out, cache_position if bounded else acc, out.stride(0), out.stride(1),
         KV_HEADS=heads // group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), MIN_STAT=min_stat,
+        CHUNK=chunk if bounded else 0, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), MIN_STAT=min_stat,
     )  # fmt: skip
 
 
+def chunk_of(cache_len: int, splits: int, block: int) -> int:
+    """Cache positions per chunk of a launch with ``splits`` chunks: ``cdiv(cache_len, splits)`` rounded up to
+    ``block``."""
+    return triton.cdiv(triton.cdiv(cache_len, splits), block) * block
+
+
 def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block: int, min_stat: float,
-           out: torch.Tensor | None = None) -> None:  # fmt: skip
+           out: torch.Tensor | None = None, num_warps: int = 4) -> None:  # fmt: skip
     """`decode_attention.launch_partials`: one program per (row x KV head, chunk). With ``out`` the last chunk of
     each (row, KV head) to finish merges the partials into it (one launch instead of two, `merge`)."""
     batch, heads, _, head_dim = q.shape
     kv_heads, cache_len = keys.shape[1], keys.shape[2]
     splits = acc.shape[1]
-    chunk = triton.cdiv(triton.cdiv(cache_len, splits), block) * block
+    chunk = chunk_of(cache_len, splits, block)
     q3 = q.reshape(batch, heads, head_dim)
     mask2 = mask.reshape(batch, cache_len)
     group = heads // kv_heads
@@ -148,7 +168,7 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         CHUNK=chunk, BLOCK=block, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MIN_STAT=min_stat, MERGE=merged,
+        MIN_STAT=min_stat, MERGE=merged, num_warps=num_warps,
     )  # fmt: skip
 
 

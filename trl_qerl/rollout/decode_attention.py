@@ -39,6 +39,15 @@ __all__ = [
 BLOCK = 32
 """Cache positions per inner step of a program."""
 
+MAX_CHUNK: int | None = None
+"""At most this many cache positions per program (rounded up to `BLOCK`); None: only `chunk_size`'s rule. The launch
+is captured once for the whole static cache, so its chunks are sized for the full cache: early in a rollout only the
+first of them hold positions, and each of those runs its chunk's steps one after another. A cap gives more, shorter
+programs there, at the cost of more (empty) programs later and more partials to merge."""
+
+PARTIALS_WARPS = 4
+"""Warps per program of the partials kernel."""
+
 MERGE_IN_PARTIALS = False
 """True: `split_kv_attention` in one launch, the last chunk of each (row, key/value head) to finish merging (an arrival
 counter per (row, key/value head) that resets itself, so graph replays need no memset). False (default): a second
@@ -76,6 +85,8 @@ def chunk_size(cache_len: int, row_heads: int, device: torch.device) -> int:
     least one `BLOCK`."""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     chunk = _cdiv(cache_len * row_heads, 2 * processors)
+    if MAX_CHUNK is not None:
+        chunk = min(chunk, MAX_CHUNK)
     return max(BLOCK, _cdiv(chunk, BLOCK) * BLOCK)
 
 
@@ -85,16 +96,19 @@ def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima,
     merges them into it (as `launch_merge` would). Needs Triton (imported here: the package imports without it)."""
     from ._split_kv_kernel import launch
 
-    launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block=BLOCK, min_stat=MIN_STAT, out=out)
+    launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block=BLOCK, min_stat=MIN_STAT, out=out,
+           num_warps=PARTIALS_WARPS)  # fmt: skip
 
 
-def launch_merge(acc, maxima, sums, out) -> None:
+def launch_merge(acc, maxima, sums, out, cache_position: torch.Tensor | None = None, cache_len: int = 0) -> None:
     """Merge the partials of `launch_partials` into ``out[B, H, 1, D]`` (any float dtype), in one Triton launch:
     `combine_partials` in a kernel (in a compiled step inductor writes it as three reductions, ~7 µs per 7B layer at
-    batch 8 on the H200, more than the partials kernel itself)."""
-    from ._split_kv_kernel import merge
+    batch 8 on the H200, more than the partials kernel itself). With ``cache_position`` and the cache length the
+    partials were made for, it reads only the chunks that hold a position up to ``cache_position``."""
+    from ._split_kv_kernel import chunk_of, merge
 
-    merge(acc, maxima, sums, out, min_stat=MIN_STAT)
+    chunk = chunk_of(cache_len, acc.shape[1], BLOCK) if cache_position is not None and cache_len > 0 else 0
+    merge(acc, maxima, sums, out, min_stat=MIN_STAT, cache_position=cache_position, chunk=chunk)
 
 
 def triton_available() -> bool:
@@ -152,7 +166,7 @@ def split_kv_attention(
         launch_partials(q, keys, values, mask, scaling, cache_position, *_partials_buffers(q, keys), out)
         return out
     acc, maxima, sums = split_kv_partials(q, keys, values, mask, scaling, cache_position)
-    launch_merge(acc, maxima, sums, out)
+    launch_merge(acc, maxima, sums, out, cache_position, keys.shape[2])
     return out
 
 
