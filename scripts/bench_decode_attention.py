@@ -35,7 +35,7 @@ from model_shapes import NAMES, qwen25_config
 from trl_qerl.rollout import decode_attention
 
 
-SETTINGS = ("MAX_CHUNK", "BLOCK", "PARTIALS_WARPS")
+SETTINGS = ("MAX_CHUNK", "BLOCK", "PARTIALS_WARPS", "MERGE_SPLITS", "MERGE_DIM_BLOCK")
 
 
 def parse_settings(variant: str) -> dict[str, int]:

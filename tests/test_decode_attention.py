@@ -101,9 +101,15 @@ def test_the_merge_kernel_equals_the_torch_merge(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_merge_reads_only_the_chunks_up_to_the_position(dtype):
+@pytest.mark.parametrize("split_block, dim_block", [(1, 0), (2, 8), (4, 16)], ids=["1-chunk", "2-chunks-8-dims", "4"])
+def test_the_merge_reads_only_the_chunks_up_to_the_position(monkeypatch, dtype, split_block, dim_block):
     """Five chunks of 64 positions, the position (150) in the third: given the position, the merge never reads the
-    last two chunks (NaN there changes nothing) and gives `combine_partials` of the first three."""
+    last two chunks (NaN there changes nothing) and gives `combine_partials` of the first three, whether it reads one
+    chunk per step or several (the last step part-masked), all head dims per program or a slice."""
+    from trl_qerl.rollout import decode_attention
+
+    monkeypatch.setattr(decode_attention, "MERGE_SPLITS", split_block)
+    monkeypatch.setattr(decode_attention, "MERGE_DIM_BLOCK", dim_block)
     generator = torch.Generator().manual_seed(6)
     row_heads, splits, group, head_dim = 4, 5, 3, 16
     acc = torch.randn(row_heads, splits, group, head_dim, generator=generator)
@@ -117,10 +123,24 @@ def test_the_merge_reads_only_the_chunks_up_to_the_position(dtype):
     assert torch.allclose(out.cpu().float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+def test_the_merge_refuses_a_dim_block_that_does_not_divide_the_head_dim(monkeypatch):
+    from trl_qerl.rollout import decode_attention
+
+    monkeypatch.setattr(decode_attention, "MERGE_DIM_BLOCK", 24)
+    q, keys, values, mask, position = _inputs(1, 2, 1, 64, 32, position=40, dtype=torch.float32)
+    with pytest.raises(ValueError, match="dim_block 24 must be a power of two dividing head_dim 32"):
+        split_kv_attention(q, keys, values, mask, 0.25, position)
+
+
 @pytest.mark.parametrize(
     "settings",
-    [{"MAX_CHUNK": 32}, {"MAX_CHUNK": 100, "BLOCK": 64}, {"BLOCK": 16, "PARTIALS_WARPS": 8}],
-    ids=["short-chunks", "rounded-up-cap", "small-steps-8-warps"],
+    [
+        {"MAX_CHUNK": 32},
+        {"MAX_CHUNK": 100, "BLOCK": 64},
+        {"BLOCK": 16, "PARTIALS_WARPS": 8},
+        {"MAX_CHUNK": 32, "MERGE_SPLITS": 4, "MERGE_DIM_BLOCK": 8},
+    ],
+    ids=["short-chunks", "rounded-up-cap", "small-steps-8-warps", "merge-4-chunks-8-dims"],
 )
 def test_chunk_step_and_warp_settings_change_the_launch_not_the_result(monkeypatch, settings):
     """`MAX_CHUNK` caps the positions per program (rounded up to `BLOCK`), so more chunks split the cache; the output

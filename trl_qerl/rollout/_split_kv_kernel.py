@@ -60,9 +60,9 @@ def _partials_kernel(
     tl.store(sum_ptr + out + heads, running_sum, mask=heads < GROUP)
     if MERGE:  # the last of the row's chunks to arrive merges them all
         if last_to_arrive(count_ptr, row_head, SPLITS):
-            _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, _chunks_used(last, CHUNK, SPLITS),
-                            stride_ob, stride_oh, KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT,
-                            ".cg")  # fmt: skip
+            _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, _chunks_used(last, CHUNK, SPLITS), 0,
+                            stride_ob, stride_oh, KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM, SPLITS, SPLITS_PAD,
+                            1, MIN_STAT, ".cg")  # fmt: skip
             reset_arrivals(count_ptr, row_head)
 
 
@@ -76,64 +76,76 @@ def _chunks_used(last, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
 def _merge_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr, position_ptr, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr,
+    CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, MIN_STAT: tl.constexpr,
 ):  # fmt: skip
     if CHUNK > 0:
         used = _chunks_used(tl.load(position_ptr), CHUNK, SPLITS)
     else:
         used = SPLITS
-    _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, tl.program_id(0), used, stride_ob, stride_oh,
-                    KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD, MIN_STAT, "")  # fmt: skip
+    _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, tl.program_id(0), used, tl.program_id(1) * DIM_BLOCK,
+                    stride_ob, stride_oh, KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_BLOCK, SPLITS, SPLITS_PAD,
+                    SPLIT_BLOCK, MIN_STAT, "")  # fmt: skip
 
 
 @triton.jit
 def _merge_row_head(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, used, stride_ob, stride_oh,
+    acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, used, dim_start, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_STAT: tl.constexpr, LOAD: tl.constexpr,
+    DIM_BLOCK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    MIN_STAT: tl.constexpr, LOAD: tl.constexpr,
 ):  # fmt: skip
-    """Merge one (row, key/value head)'s chunk partials into ``out``: the first ``used`` chunks (the others saw no
-    position: their weight is exactly zero, so they are not read). ``LOAD``: the loads' cache modifier, ``".cg"``
-    (bypass L1) where other programs of the same launch wrote the partials."""
+    """Merge one (row, key/value head)'s chunk partials into ``out``, head dims ``dim_start`` to ``dim_start +
+    DIM_BLOCK``: the first ``used`` chunks (the others saw no position: their weight is exactly zero, so they are not
+    read), ``SPLIT_BLOCK`` chunks per step (independent loads; the sum over chunks is the only chain). ``LOAD``: the
+    loads' cache modifier, ``".cg"`` (bypass L1) where other programs of the same launch wrote the partials."""
     row = row_head // KV_HEADS
     kv_head = row_head % KV_HEADS
     heads = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    splits = tl.arange(0, SPLITS_PAD)
+    real = heads < GROUP
+    dims = dim_start + tl.arange(0, DIM_BLOCK)
     first = row_head * SPLITS * GROUP
+    splits = tl.arange(0, SPLITS_PAD)
     stats = first + splits[:, None] * GROUP + heads[None, :]
-    valid = (splits[:, None] < SPLITS) & (heads[None, :] < GROUP)
-    overall = tl.max(tl.load(max_ptr + stats, mask=valid, other=MIN_STAT, cache_modifier=LOAD), 0)
-    numerator = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    overall = tl.max(tl.load(max_ptr + stats, mask=(splits[:, None] < used) & real[None, :], other=MIN_STAT,
+                             cache_modifier=LOAD), 0)  # fmt: skip
+    numerator = tl.zeros([GROUP_PAD, DIM_BLOCK], dtype=tl.float32)
     denominator = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    for split in range(used):  # one chunk's [GROUP, HEAD_DIM] at a time: all of them would not fit in registers
-        offsets = first + split * GROUP + heads
-        weight = tl.exp(tl.load(max_ptr + offsets, mask=heads < GROUP, other=MIN_STAT, cache_modifier=LOAD) - overall)
-        denominator += weight * tl.load(sum_ptr + offsets, mask=heads < GROUP, other=0.0, cache_modifier=LOAD)
-        chunk = tl.load(
-            acc_ptr + offsets[:, None] * HEAD_DIM + dims[None, :],
-            mask=(heads < GROUP)[:, None],
-            other=0.0,
-            cache_modifier=LOAD,
-        )
-        numerator += weight[:, None] * chunk
-    out = numerator / tl.where(heads < GROUP, denominator, 1.0)[:, None]
+    steps = tl.arange(0, SPLIT_BLOCK)
+    for start in range(0, used, SPLIT_BLOCK):  # all chunks at once would not fit in registers
+        split = start + steps
+        inside = (split[:, None] < used) & real[None, :]
+        offsets = first + split[:, None] * GROUP + heads[None, :]
+        maxima = tl.load(max_ptr + offsets, mask=inside, other=MIN_STAT, cache_modifier=LOAD)
+        weight = tl.where(inside, tl.exp(maxima - overall[None, :]), 0.0)
+        denominator += tl.sum(weight * tl.load(sum_ptr + offsets, mask=inside, other=0.0, cache_modifier=LOAD), 0)
+        chunk = tl.load(acc_ptr + offsets[:, :, None] * HEAD_DIM + dims[None, None, :], mask=inside[:, :, None],
+                        other=0.0, cache_modifier=LOAD)  # fmt: skip
+        numerator += tl.sum(weight[:, :, None] * chunk, 0)
+    out = numerator / tl.where(real, denominator, 1.0)[:, None]
     tl.store(
         out_ptr + row * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=(heads < GROUP)[:, None],
+        out.to(out_ptr.dtype.element_ty), mask=real[:, None],
     )  # fmt: skip
 
 
-def merge(acc, maxima, sums, out, min_stat: float, cache_position=None, chunk: int = 0) -> None:
-    """`decode_attention.launch_merge`: one program per (row x KV head), writing ``out[B, H, 1, D]``. With
-    ``cache_position`` and the partials' ``chunk`` it reads only the chunks up to that position."""
+def merge(acc, maxima, sums, out, min_stat: float, cache_position=None, chunk: int = 0, dim_block: int = 0,
+          split_block: int = 1) -> None:  # fmt: skip
+    """`decode_attention.launch_merge`: one program per (row x KV head, ``dim_block`` head dims; 0: all of them),
+    writing ``out[B, H, 1, D]``, ``split_block`` chunks per step. With ``cache_position`` and the partials' ``chunk``
+    it reads only the chunks up to that position."""
     row_heads, splits, group, head_dim = acc.shape
     heads = out.shape[1]
     bounded = cache_position is not None and chunk > 0
-    _merge_kernel[(row_heads,)](
+    dim_block = min(dim_block or head_dim, head_dim)
+    if head_dim % dim_block or dim_block & (dim_block - 1) or split_block & (split_block - 1):
+        raise ValueError(f"merge: dim_block {dim_block} must be a power of two dividing head_dim {head_dim}, and "
+                         f"split_block {split_block} a power of two")  # fmt: skip
+    _merge_kernel[(row_heads, head_dim // dim_block)](
         acc, maxima, sums, out, cache_position if bounded else acc, out.stride(0), out.stride(1),
         KV_HEADS=heads // group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        CHUNK=chunk if bounded else 0, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), MIN_STAT=min_stat,
+        CHUNK=chunk if bounded else 0, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM_BLOCK=dim_block,
+        SPLIT_BLOCK=split_block, MIN_STAT=min_stat,
     )  # fmt: skip
 
 

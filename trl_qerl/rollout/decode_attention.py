@@ -48,6 +48,14 @@ programs there, at the cost of more (empty) programs later and more partials to 
 PARTIALS_WARPS = 4
 """Warps per program of the partials kernel."""
 
+MERGE_SPLITS = 1
+"""Chunks the merge kernel reads per step (a power of two). Its steps are a chain (each adds to the sums), so with
+many chunks (batch 1, where `chunk_size` makes dozens) the merge is a row of dependent loads."""
+
+MERGE_DIM_BLOCK = 0
+"""Head dims per merge program (a power of two dividing the head dim; 0: all of them). Fewer give more programs:
+at batch 1 the merge otherwise runs one program per key/value head (4 for Qwen2.5-7B)."""
+
 MERGE_IN_PARTIALS = False
 """True: `split_kv_attention` in one launch, the last chunk of each (row, key/value head) to finish merging (an arrival
 counter per (row, key/value head) that resets itself, so graph replays need no memset). False (default): a second
@@ -108,7 +116,8 @@ def launch_merge(acc, maxima, sums, out, cache_position: torch.Tensor | None = N
     from ._split_kv_kernel import chunk_of, merge
 
     chunk = chunk_of(cache_len, acc.shape[1], BLOCK) if cache_position is not None and cache_len > 0 else 0
-    merge(acc, maxima, sums, out, min_stat=MIN_STAT, cache_position=cache_position, chunk=chunk)
+    merge(acc, maxima, sums, out, min_stat=MIN_STAT, cache_position=cache_position, chunk=chunk,
+          dim_block=MERGE_DIM_BLOCK, split_block=MERGE_SPLITS)  # fmt: skip
 
 
 def triton_available() -> bool:
