@@ -36,25 +36,30 @@ __all__ = [
     "triton_available",
 ]
 
-BLOCK = 32
-"""Cache positions per inner step of a program."""
+BLOCK = 64
+"""Cache positions per inner step of a program (and the least per chunk). 64, with `MERGE_SPLITS` 4 and
+`MERGE_DIM_BLOCK` 32, was the fastest of the settings timed (H200, 2026-12-03, `scripts/bench_decode_attention.py`,
+cache of 1,280 positions, µs per layer summed over 5 positions, against 32 / 1 / all dims before): 14B batch 8 61.1
+against 76.4, batch 1 37.7 against 44.8; 7B batch 8 47.6 against 54.6, batch 1 36.1 against 60.6."""
 
 MAX_CHUNK: int | None = None
 """At most this many cache positions per program (rounded up to `BLOCK`); None: only `chunk_size`'s rule. The launch
 is captured once for the whole static cache, so its chunks are sized for the full cache: early in a rollout only the
 first of them hold positions, and each of those runs its chunk's steps one after another. A cap gives more, shorter
-programs there, at the cost of more (empty) programs later and more partials to merge."""
+programs there, at the cost of more (empty) programs later and more partials to merge: 128 was faster than none
+below position ~800 and slower above it at 14B batch 8 (H200), 32 and 64 slower throughout, so it stays off."""
 
 PARTIALS_WARPS = 4
-"""Warps per program of the partials kernel."""
+"""Warps per program of the partials kernel (8 was slower with `BLOCK` 64 at 14B batch 8 on the H200)."""
 
-MERGE_SPLITS = 1
+MERGE_SPLITS = 4
 """Chunks the merge kernel reads per step (a power of two). Its steps are a chain (each adds to the sums), so with
-many chunks (batch 1, where `chunk_size` makes dozens) the merge is a row of dependent loads."""
+many chunks (batch 1, where `chunk_size` makes dozens) one chunk per step is a row of dependent loads. 4 chunks of
+all 128 head dims per step spilled (3x slower on the H200); with `MERGE_DIM_BLOCK` 32 it is the fastest form."""
 
-MERGE_DIM_BLOCK = 0
-"""Head dims per merge program (a power of two dividing the head dim; 0: all of them). Fewer give more programs:
-at batch 1 the merge otherwise runs one program per key/value head (4 for Qwen2.5-7B)."""
+MERGE_DIM_BLOCK = 32
+"""Head dims per merge program (a power of two dividing the head dim; 0 or more than the head dim: all of them).
+Fewer give more programs: at batch 1 the merge otherwise runs one program per key/value head (4 for Qwen2.5-7B)."""
 
 MERGE_IN_PARTIALS = False
 """True: `split_kv_attention` in one launch, the last chunk of each (row, key/value head) to finish merging (an arrival
