@@ -178,12 +178,14 @@ def test_bench_decode_attention_settings_are_checked():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_launch_merges_as_the_second_kernel_does(monkeypatch, dtype):
-    """The last chunk of each (row, key/value head) to arrive merges in the partials launch: the same numbers as the
-    two-launch form, bit for bit, and its arrival counters are back at zero for the next launch (or graph replay)."""
+    """The last chunk of each (row, key/value head) to arrive merges in the partials launch, in the merge kernel's
+    tiles: the same numbers as the two-launch form, bit for bit, and its arrival counters are back at zero for the next launch (or graph replay)."""
     from trl_qerl.nvfp4.cuda_mma import arrival_counters
     from trl_qerl.rollout import decode_attention
 
-    inputs = _inputs(3, 6, 2, 100, 16, position=71, dtype=dtype, seed=5)
+    inputs = _inputs(3, 6, 2, 100, 64, position=71, dtype=dtype, seed=5)  # head dims merged in slices of 32
+    monkeypatch.setattr(decode_attention, "MERGE_DIM_BLOCK", 32)
+    monkeypatch.setattr(decode_attention, "MERGE_SPLITS", 4)
     monkeypatch.setattr(decode_attention, "MERGE_IN_PARTIALS", True)
     one = [split_kv_attention(*inputs[:4], 0.3, inputs[4]) for _ in range(2)]
     assert (arrival_counters(one[0].device, 6)[:6] == 0).all()

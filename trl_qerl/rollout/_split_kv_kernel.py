@@ -21,6 +21,7 @@ def _partials_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MIN_STAT: tl.constexpr, MERGE: tl.constexpr,
+    MERGE_DIM_BLOCK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
 ):  # fmt: skip
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -60,9 +61,11 @@ def _partials_kernel(
     tl.store(sum_ptr + out + heads, running_sum, mask=heads < GROUP)
     if MERGE:  # the last of the row's chunks to arrive merges them all
         if last_to_arrive(count_ptr, row_head, SPLITS):
-            _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, _chunks_used(last, CHUNK, SPLITS), 0,
-                            stride_ob, stride_oh, KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM, SPLITS, SPLITS_PAD,
-                            1, MIN_STAT, ".cg")  # fmt: skip
+            # slice by slice, in the merge kernel's tiles: the same sums in the same order, so the same bits
+            for dim_start in tl.static_range(0, HEAD_DIM, MERGE_DIM_BLOCK):
+                _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, _chunks_used(last, CHUNK, SPLITS),
+                                dim_start, stride_ob, stride_oh, KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, MERGE_DIM_BLOCK,
+                                SPLITS, SPLITS_PAD, MERGE_SPLIT_BLOCK, MIN_STAT, ".cg")  # fmt: skip
             reset_arrivals(count_ptr, row_head)
 
 
@@ -137,16 +140,23 @@ def merge(acc, maxima, sums, out, min_stat: float, cache_position=None, chunk: i
     row_heads, splits, group, head_dim = acc.shape
     heads = out.shape[1]
     bounded = cache_position is not None and chunk > 0
-    dim_block = min(dim_block or head_dim, head_dim)
-    if head_dim % dim_block or dim_block & (dim_block - 1) or split_block & (split_block - 1):
-        raise ValueError(f"merge: dim_block {dim_block} must be a power of two dividing head_dim {head_dim}, and "
-                         f"split_block {split_block} a power of two")  # fmt: skip
+    dim_block, split_block = merge_tiles(head_dim, dim_block, split_block)
     _merge_kernel[(row_heads, head_dim // dim_block)](
         acc, maxima, sums, out, cache_position if bounded else acc, out.stride(0), out.stride(1),
         KV_HEADS=heads // group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         CHUNK=chunk if bounded else 0, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM_BLOCK=dim_block,
         SPLIT_BLOCK=split_block, MIN_STAT=min_stat,
     )  # fmt: skip
+
+
+def merge_tiles(head_dim: int, dim_block: int, split_block: int) -> tuple[int, int]:
+    """The merge's ``(dim_block, split_block)``: ``dim_block`` 0 or above ``head_dim`` means all of them; both must be
+    powers of two, ``dim_block`` dividing ``head_dim``."""
+    dim_block = min(dim_block or head_dim, head_dim)
+    if head_dim % dim_block or dim_block & (dim_block - 1) or split_block < 1 or split_block & (split_block - 1):
+        raise ValueError(f"merge: dim_block {dim_block} must be a power of two dividing head_dim {head_dim}, and "
+                         f"split_block {split_block} a power of two")  # fmt: skip
+    return dim_block, split_block
 
 
 def chunk_of(cache_len: int, splits: int, block: int) -> int:
@@ -156,7 +166,8 @@ def chunk_of(cache_len: int, splits: int, block: int) -> int:
 
 
 def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block: int, min_stat: float,
-           out: torch.Tensor | None = None, num_warps: int = 4) -> None:  # fmt: skip
+           out: torch.Tensor | None = None, num_warps: int = 4, merge_dim_block: int = 0,
+           merge_split_block: int = 1) -> None:  # fmt: skip
     """`decode_attention.launch_partials`: one program per (row x KV head, chunk). With ``out`` the last chunk of
     each (row, KV head) to finish merges the partials into it (one launch instead of two, `merge`)."""
     batch, heads, _, head_dim = q.shape
@@ -167,6 +178,7 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
     mask2 = mask.reshape(batch, cache_len)
     group = heads // kv_heads
     merged = out is not None
+    dim_block, split_block = merge_tiles(head_dim, merge_dim_block, merge_split_block)
     counters = arrival_counters(q.device, batch * kv_heads) if merged else acc
     out = out if merged else acc
     # fp32 inputs get fp32 products ("ieee"): tl.dot's CUDA default is tf32 (10-bit mantissa), not what an fp32
@@ -180,7 +192,8 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         CHUNK=chunk, BLOCK=block, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MIN_STAT=min_stat, MERGE=merged, num_warps=num_warps,
+        MIN_STAT=min_stat, MERGE=merged, MERGE_DIM_BLOCK=dim_block, MERGE_SPLIT_BLOCK=split_block,
+        num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -110,7 +110,7 @@ def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima,
     from ._split_kv_kernel import launch
 
     launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block=BLOCK, min_stat=MIN_STAT, out=out,
-           num_warps=PARTIALS_WARPS)  # fmt: skip
+           num_warps=PARTIALS_WARPS, merge_dim_block=MERGE_DIM_BLOCK, merge_split_block=MERGE_SPLITS)  # fmt: skip
 
 
 def launch_merge(acc, maxima, sums, out, cache_position: torch.Tensor | None = None, cache_len: int = 0) -> None:
