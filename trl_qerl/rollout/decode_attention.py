@@ -39,15 +39,16 @@ __all__ = [
 BLOCK = 64
 """Cache positions per inner step of a program (and the least per chunk). 64, with `MERGE_SPLITS` 4 and
 `MERGE_DIM_BLOCK` 32, was the fastest of the settings timed (H200, 2026-12-03, `scripts/bench_decode_attention.py`,
-cache of 1,280 positions, µs per layer summed over 5 positions, against 32 / 1 / all dims before): 14B batch 8 61.1
-against 76.4, batch 1 37.7 against 44.8; 7B batch 8 47.6 against 54.6, batch 1 36.1 against 60.6."""
+cache of 1,280 positions, µs per layer summed over 5 positions, against 32 / 1 / all dims before, same run): 14B
+batch 8 61.1 against 76.3, batch 1 37.7 against 44.7; 7B batch 8 47.5 against 54.6, batch 1 36.0 against 56.6."""
 
 MAX_CHUNK: int | None = None
 """At most this many cache positions per program (rounded up to `BLOCK`); None: only `chunk_size`'s rule. The launch
 is captured once for the whole static cache, so its chunks are sized for the full cache: early in a rollout only the
 first of them hold positions, and each of those runs its chunk's steps one after another. A cap gives more, shorter
-programs there, at the cost of more (empty) programs later and more partials to merge: 128 was faster than none
-below position ~800 and slower above it at 14B batch 8 (H200), 32 and 64 slower throughout, so it stays off."""
+programs there, at the cost of more (empty) programs later and more partials to merge. With `BLOCK` 64, caps of 64
+and 128 were slower over five positions (14B batch 8 on the H200: 81.5 and 65.2 against 59.7 µs summed; 128 was
+faster only below position ~600), so it stays off."""
 
 PARTIALS_WARPS = 4
 """Warps per program of the partials kernel (8 was slower with `BLOCK` 64 at 14B batch 8 on the H200)."""
