@@ -8,8 +8,9 @@ throughput. 7B gate/up (1,184 CTAs of 32 rows over 528 slots) is 2.24 waves. If 
 toward each whole wave and drops just past it (a saw-tooth over the ``waves`` column); if the kernel is limited
 elsewhere, it rises smoothly with size. A persistent or stream-K grid is worth building only in the first case.
 
-Columns: waves, weight rows, MB of NVFP4 bytes (codes and block scales), µs per call, TB/s; then, per
-``--tail-splits`` S, a remedy that needs no new kernel: the whole waves as one launch, and the rows of the last
+Columns: waves, weight rows, MB of NVFP4 bytes (codes and block scales), µs per call, TB/s; with ``--stream-k``,
+the instance's stream-K launch (`MMAConfig.stream_k`: the units spread evenly over the slots, one launch), µs and
+TB/s; then, per ``--tail-splits`` S, a remedy that needs no new kernel: the whole waves as one launch, and the rows of the last
 partial wave as a second launch with K split over S CTAs per tile (the ``SPLIT_K`` build), so that the tail fills
 about S times as many slots. The slots come from the CUDA occupancy calculator for the instance's build
 (`nvrtc.CudaKernel.resident_blocks`). The first size's output is checked against the float32 product of the
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--waves", type=float, nargs="+", default=list(WAVES))
     parser.add_argument("--tail-splits", type=int, nargs="*", default=[2, 4], choices=cuda_mma.K_SPLITS[1:],
                         help="also time the last partial wave as its own launch with K split over this many CTAs")  # fmt: skip
+    parser.add_argument("--stream-k", action="store_true",
+                        help="also time the instance's stream-K launch (MMAConfig.stream_k: one launch, no last wave)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     config, device, dtype = args.instance, torch.device("cuda"), torch.bfloat16
@@ -93,8 +96,9 @@ def main() -> None:
           f"{'twiddled' if args.twiddled else 'standard'} build, K = {args.k}, {args.tokens} tokens; "
           f"{per_sm} CTAs per multiprocessor, {slots} slots; {torch.cuda.get_device_name()}")  # fmt: skip
     tails = "".join(f" tail split {splits} µs |" for splits in args.tail_splits)
-    print(f"| waves | rows | MB | µs | TB/s |{tails}")
-    print("|---|---|---|---|---|" + "---|" * len(args.tail_splits))
+    stream = " stream-K µs | stream-K TB/s |" if args.stream_k else ""
+    print(f"| waves | rows | MB | µs | TB/s |{tails}{stream}")
+    print("|---|---|---|---|---|" + "---|" * (len(args.tail_splits) + 2 * args.stream_k))
     results = []
     for i, waves in enumerate(args.waves):
         rows = rows_for_waves(waves, slots, config.rows)
@@ -121,10 +125,18 @@ def main() -> None:
             split_form = functools.partial(_head_and_split_tail, x, weight, lora, config, splits, start)
             _check(x, weight, lora, split_form)
             row["tail_split_us"][splits] = time_us(functools.partial(split_form, options=options))
+        stream_cells = ""
+        if args.stream_k:
+            streamed = functools.partial(cuda_mma.matmul, x, [weight], dataclasses.replace(config, stream_k=True),
+                                         lora=lora)  # fmt: skip
+            _check(x, weight, lora, streamed)
+            row["stream_k_us"] = time_us(functools.partial(streamed, options=options))
+            stream_cells = f" {row['stream_k_us']:.1f} | {megabytes / row['stream_k_us']:.2f} |"
         results.append(row)
         tail_cells = "".join(f" {row['tail_split_us'][s]:.1f} |" if s in row["tail_split_us"] else " — |"
                              for s in args.tail_splits)  # fmt: skip
-        print(f"| {waves:g} | {rows} | {megabytes:.1f} | {us:.1f} | {megabytes / us:.2f} |{tail_cells}", flush=True)
+        print(f"| {waves:g} | {rows} | {megabytes:.1f} | {us:.1f} | {megabytes / us:.2f} |{tail_cells}{stream_cells}",
+              flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": {**vars(args), "instance": str(config)}, "slots": slots, "per_sm": per_sm,

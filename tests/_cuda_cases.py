@@ -104,3 +104,30 @@ def check_cuda_graph_replays(matmul, config, m: int) -> None:
         x.copy_(torch.randn(m, 512, generator=torch.Generator().manual_seed(seed)).to(DEVICE))
         graph.replay()
         assert relative_error(reference(x, weights, [None] * 3), out) < TOLERANCE
+
+
+def check_graph_replays(matmul, x: torch.Tensor, weights, biases, config) -> None:
+    """One launch of ``config`` captured in a CUDA graph (after an eager warm-up) and replayed on new activations
+    written into ``x``: each replay within `TOLERANCE` of float64 (kernels whose CTAs meet through counters or
+    scratch buffers must leave them ready for the next replay)."""
+    matmul(x, weights, config, biases)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = matmul(x, weights, config, biases)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+        graph.replay()
+        assert relative_error(reference(x, weights, biases), out) < TOLERANCE, f"{config}, replay {seed}"
+
+
+def checked_wider_launch(matmul, x: torch.Tensor, weights, biases, config, expected, label: str) -> torch.Tensor:
+    """One launch of ``config`` into the first columns of a wider, NaN-poisoned output: every element written, finite
+    and within `TOLERANCE` of ``expected``, the columns past the launch's left alone. Returns the launch's columns."""
+    width = expected.shape[1]
+    wide = poisoned_out(x.shape[0], width + 24, x.dtype)
+    out = matmul(x, weights, config, biases, out=wide[:, :width])
+    assert torch.isfinite(out).all(), f"{label}: unwritten or non-finite outputs"
+    assert relative_error(expected, out) < TOLERANCE, label
+    assert wide[:, width:].isnan().all(), f"{label} wrote outside its columns"
+    return out

@@ -14,7 +14,15 @@ import ctypes
 
 import pytest
 import torch
-from _cuda_cases import TOLERANCE, needs_nvrtc, poisoned_out, quantized, reference
+from _cuda_cases import (
+    TOLERANCE,
+    check_graph_replays,
+    checked_wider_launch,
+    needs_nvrtc,
+    poisoned_out,
+    quantized,
+    reference,
+)
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
 from trl_qerl.nvfp4 import cuda_mma, nvrtc
@@ -99,14 +107,9 @@ def _split_configs(m: int) -> list[cuda_mma.MMAConfig]:
 def test_every_split_instance_matches_float64_twice_in_a_row(dtype, m):
     x, weights, biases = _group(m, dtype, seed=m)
     expected = reference(x, weights, biases)
-    width = sum(ROWS)
     for config in _split_configs(m):
         for launch in range(2):  # the second finds the counters the first left at zero
-            wide = poisoned_out(m, width + 24, dtype)
-            out = cuda_mma.matmul(x, weights, config, biases, out=wide[:, :width])
-            assert torch.isfinite(out).all(), f"{config} launch {launch}: unwritten or non-finite outputs"
-            assert relative_error(expected, out) < TOLERANCE, f"{config} launch {launch}"
-            assert wide[:, width:].isnan().all(), f"{config} wrote outside its columns"
+            out = checked_wider_launch(cuda_mma.matmul, x, weights, biases, config, expected, f"{config} #{launch}")
         plain = cuda_mma.MMAConfig(config.m_tiles, config.n_tiles, config.k_warps)
         assert relative_error(cuda_mma.matmul(x, weights, plain, biases).double(), out) < 4e-3, str(config)
 
@@ -133,13 +136,4 @@ def test_split_instances_add_lora_terms(m):
 @needs_cuda
 def test_graph_replays_of_a_split_launch_read_new_activations():
     x, weights, biases = _group(2, torch.bfloat16, seed=40)
-    config = cuda_mma.MMAConfig(1, 1, 8, 4)
-    cuda_mma.matmul(x, weights, config, biases)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_mma.matmul(x, weights, config, biases)
-    for seed in range(3):
-        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
-        graph.replay()
-        assert relative_error(reference(x, weights, biases), out) < TOLERANCE
+    check_graph_replays(cuda_mma.matmul, x, weights, biases, cuda_mma.MMAConfig(1, 1, 8, 4))

@@ -43,18 +43,25 @@ def source() -> str:
 class MMAConfig:
     """One instance of the kernel: ``m_tiles`` x 16 weight rows per warp, ``n_tiles`` x 8 tokens per CTA,
     ``k_warps`` warps per CTA that split K (and add their sums in shared memory); ``k_splits`` > 1: that many CTAs
-    per tile split K further (the ``SPLIT_K`` build: the last CTA of a tile adds their sums, one launch)."""
+    per tile split K further (the ``SPLIT_K`` build: the last CTA of a tile adds their sums, one launch);
+    ``stream_k``: the launch's (tile x 128-column block) units dealt out evenly to as many CTAs as the GPU holds at
+    once (``nvfp4_mma_stream_kernel``: no last partial wave; the last CTA of a split tile adds its parts), up to 16
+    tokens per CTA."""
 
     m_tiles: int
     n_tiles: int
     k_warps: int
     k_splits: int = 1
+    stream_k: bool = False
 
     def __post_init__(self) -> None:
         if self.m_tiles not in (1, 2) or self.n_tiles not in (1, 2, 4, 8) or self.k_warps not in (1, 2, 4, 8):
             raise ValueError(f"unsupported MMAConfig {self}")
         if self.k_splits not in K_SPLITS:
             raise ValueError(f"unsupported MMAConfig {self}: k_splits must be one of {K_SPLITS}")
+        if self.stream_k and (self.k_splits > 1 or self.n_tiles > 2):
+            raise ValueError(f"unsupported MMAConfig {self}: stream_k takes k_splits 1 and n_tiles 1 or 2 (its "
+                             "registers are capped at 128, which more tokens per CTA would spill)")  # fmt: skip
         if self.shared_memory_bytes > _SHARED_MEMORY_LIMIT:
             raise ValueError(f"MMAConfig {self} needs {self.shared_memory_bytes} bytes of shared memory")
 
@@ -74,13 +81,16 @@ class MMAConfig:
         """The instance's name; ``lora_rank`` > 0: the build that adds LoRA terms of that rank in its epilogue
         (`LoraInputs`, one of `LORA_RANKS`)."""
         bf16 = "true" if dtype == torch.bfloat16 else "false"
+        if self.stream_k:
+            rank = f", {lora_rank}" if lora_rank else ""
+            return f"nvfp4_mma_stream_kernel<{self.m_tiles}, {self.n_tiles}, {self.k_warps}, {bf16}{rank}>"
         suffix = f", {lora_rank}" if lora_rank or self.k_splits > 1 else ""
         suffix += ", true" if self.k_splits > 1 else ""
         return f"nvfp4_mma_kernel<{self.m_tiles}, {self.n_tiles}, {self.k_warps}, {bf16}{suffix}>"
 
     def __str__(self) -> str:
         split = f" split{self.k_splits}" if self.k_splits > 1 else ""
-        return f"mma {self.rows}r x {self.tokens}t kw{self.k_warps}{split}"
+        return f"mma {self.rows}r x {self.tokens}t kw{self.k_warps}{split}{' streamk' if self.stream_k else ''}"
 
 
 def _partial_sums_bytes(m_tiles: int, n_tiles: int, k_warps: int) -> int:
@@ -135,6 +145,13 @@ BENCHMARKS.md "NVFP4 kernels v5"): the split builds pass the GPU tests, but at 7
 more than the fuller grid gains); only 32B down at 8-16 rows gained 2-4 %. ``bench_kernels.py --split-k`` times them."""
 
 
+STREAM_K_CANDIDATES = False
+"""Whether `candidate_configs` also offers the stream-K launch of each decode instance (`MMAConfig.stream_k`). Off
+until it is measured: built in the fifteenth session (2026-12-03) after the device time was spent, it passes the CPU
+tests (builds, registers, main loop) but has not run on a GPU. ``bench_waves.py --stream-k`` times it against the
+plain launch; ``bench_lora_epilogue.py --sweep`` with this set times it among the engine's instances."""
+
+
 class _SplitK(ctypes.Structure):
     # mirrors `struct SplitK` in csrc/nvfp4_mma.cu
     _fields_ = [("partial", ctypes.c_void_p), ("counters", ctypes.c_void_p)]
@@ -168,6 +185,23 @@ def _split_k(config: MMAConfig, tiles: int, m: int, device: torch.device) -> _Sp
     split.partial, split.counters = partial.data_ptr(), arrival_counters(device, tile_count).data_ptr()
     split._keep = partial  # alive until the launch is queued (the caching allocator orders reuse on the stream)
     return split
+
+
+def _stream_k(config: MMAConfig, ctas: int, tile_count: int, device: torch.device) -> _SplitK:
+    """The stream-K launch's buffers: two parts' sums per CTA (new per launch; a captured graph keeps its own) and the
+    tiles' arrival counters (`arrival_counters`)."""
+    split = _SplitK()
+    partial = torch.empty(ctas * 2 * config.rows * config.tokens, device=device)
+    split.partial, split.counters = partial.data_ptr(), arrival_counters(device, tile_count).data_ptr()
+    split._keep = partial
+    return split
+
+
+def stream_ctas(build: nvrtc.CudaKernel, config: MMAConfig, device: torch.device, units: int) -> int:
+    """CTAs of a stream-K launch: as many as the GPU holds at once (the occupancy calculator's count per
+    multiprocessor times the multiprocessors), at most one per unit."""
+    per_multiprocessor = build.resident_blocks(32 * config.k_warps)
+    return max(1, min(units, per_multiprocessor * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
 @dataclass(frozen=True)
@@ -309,16 +343,20 @@ def matmul(
     segments, tiles, total = segments_of(weights, biases, config.rows)
     if out is None:
         out = torch.empty(m, total, device=x.device, dtype=x.dtype)
-    grid = (-(-m // config.tokens), tiles, config.k_splits)
-    args = [
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
-        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)), segments, _lora_terms(lora),
-        _split_k(config, tiles, m, x.device),
-    ]  # fmt: skip
     programmatic = programmatic_launch(x.device)
     name = config.name_expression(x.dtype, lora_rank=lora.rank if lora is not None else 0)
     flags = options + (twiddle.TWIDDLED_BUILD if twiddle.active() else ())  # (captured graphs keep their build)
     build = kernel(name, x.dtype, x.device, flags + PDL_BUILD if programmatic else flags)
+    groups = -(-m // config.tokens)
+    if config.stream_k:
+        ctas = stream_ctas(build, config, x.device, tiles * groups * -(-k // 128))
+        grid, split = (ctas, 1, 1), _stream_k(config, ctas, tiles * groups, x.device)
+    else:
+        grid, split = (groups, tiles, config.k_splits), _split_k(config, tiles, m, x.device)
+    args = [
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
+        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)), segments, _lora_terms(lora), split,
+    ]  # fmt: skip
     build.launch(grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic)
     return out
 
@@ -337,7 +375,8 @@ def programmatic_launch(device: torch.device) -> bool:
 def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[MMAConfig]:
     """Instances worth timing for ``m`` rows (at most 64 per CTA column), ``n`` weight rows, ``k`` columns (with
     `SPLIT_K_CANDIDATES`, also K split over 2 or 4 CTAs where the row tiles alone would not fill two waves of
-    ``num_sms`` multiprocessors)."""
+    ``num_sms`` multiprocessors; with `STREAM_K_CANDIDATES`, also the stream-K launch of each instance of up to 16
+    tokens per CTA)."""
     tokens = min(max(m, 1), 64)
     n_tiles = [nt for nt in (1, 2, 4, 8) if 8 * nt >= tokens][:1]
     if tokens > 8:
@@ -351,6 +390,9 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[MMACon
                     configs.append(MMAConfig(mt, nt, kw))
     if SPLIT_K_CANDIDATES:
         configs += _split_candidates(configs, m, n, k, num_sms)
+    if STREAM_K_CANDIDATES:
+        configs += [MMAConfig(c.m_tiles, c.n_tiles, c.k_warps, stream_k=True) for c in configs
+                    if c.k_splits == 1 and c.n_tiles <= 2]  # fmt: skip
     return configs
 
 

@@ -463,11 +463,20 @@ struct RowTile {
   int segment, rows, row0;
 };
 
-__device__ __forceinline__ RowTile row_tile(const Segments& seg, int rows_per_tile) {
+__device__ __forceinline__ RowTile row_tile(const Segments& seg, int rows_per_tile, int tile_y) {
   int s = 0;
   #pragma unroll
-  for (int i = 1; i < MAX_SEGMENTS; ++i) s += (i < seg.count && (int)blockIdx.y >= seg.tile_start[i]) ? 1 : 0;
-  return {s, seg.rows[s], ((int)blockIdx.y - seg.tile_start[s]) * rows_per_tile};
+  for (int i = 1; i < MAX_SEGMENTS; ++i) s += (i < seg.count && tile_y >= seg.tile_start[i]) ? 1 : 0;
+  return {s, seg.rows[s], (tile_y - seg.tile_start[s]) * rows_per_tile};
+}
+
+__device__ __forceinline__ RowTile row_tile(const Segments& seg, int rows_per_tile) {
+  return row_tile(seg, rows_per_tile, (int)blockIdx.y);
+}
+
+// Row tiles of all segments together (seg.tile_start[seg.count] without a run-time index into the parameter).
+__device__ __forceinline__ int row_tiles(const Segments& seg) {
+  return seg.count == 1 ? seg.tile_start[1] : (seg.count == 2 ? seg.tile_start[2] : seg.tile_start[3]);
 }
 
 // SPLIT_K: leave this CTA's sums (over its KW warps, in `partial` [KW][TOKENS][ROWS]) in the tile's slot z; true in
@@ -501,17 +510,79 @@ __device__ __forceinline__ bool last_of_split(float (&partial)[KW][TOKENS][ROWS]
   return true;
 }
 
-template <int MT, int NT, int KW, bool BF16, int LORA_RANK = 0, bool SPLIT_K = false>
-__global__ void DECODE_BOUNDS(KW) nvfp4_mma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
-                                                            u16* __restrict__ out, int ldo, Segments seg,
-                                                            LoraTerms lora, SplitK split) {
+// Stream-K (built with STREAM_K): the launch's units, (row tile x token group) x 128-column block, numbered tile by
+// tile, are dealt out evenly to the grid's CTAs (as many as the GPU holds at once), CTA c taking units
+// [c * U / C, (c + 1) * U / C). A CTA's range covers whole tiles, which it finishes as usual, and at its ends parts
+// of at most two tiles. It leaves a part's sums (over its KW warps) in partial[c][slot] (slot 0: the CTA's first
+// part, 1: its last); the last CTA of a tile to arrive (counters[tile], reset by that CTA) adds the tile's parts in
+// CTA order and runs the epilogue. One launch, no last partial wave (BENCHMARKS.md, "Decode attention re-tuned; the
+// decode kernel's last wave measured"), the same sums on every launch.
+struct StreamK {
+  int cta, ctas;        // this CTA and the grid's CTAs
+  int units;            // tiles x blocks (a launch has far fewer than 2^31)
+  int blocks;           // 128-column blocks per tile
+  int groups;           // token groups per row tile: tile number = row tile * groups + token group
+};
+
+// The CTA whose units include `unit`, and the first unit of CTA `cta` (64-bit products: units x CTAs may not fit 32).
+__device__ __forceinline__ int stream_cta_of(int unit, const StreamK& sk) {
+  return (int)(((long long)(unit + 1) * sk.ctas - 1) / sk.units);
+}
+
+__device__ __forceinline__ int stream_start(int cta, const StreamK& sk) {
+  return (int)((long long)cta * sk.units / sk.ctas);
+}
+
+// STREAM_K: leave this CTA's part of `tile` (its KW warps' sums) in slot `slot`; true in the last CTA of the tile to
+// arrive, which then holds the tile's total, summed in CTA order, in partial[0].
+template <int KW, int TOKENS, int ROWS>
+__device__ __forceinline__ bool last_of_stream(float (&partial)[KW][TOKENS][ROWS], const SplitK& split,
+                                               const StreamK& sk, int tile, int slot) {
+  constexpr int THREADS = 32 * KW, SIZE = TOKENS * ROWS;
+  const int first_unit = tile * sk.blocks;
+  const int first = stream_cta_of(first_unit, sk), last_cta = stream_cta_of(first_unit + sk.blocks - 1, sk);
+  __syncthreads();
+  for (int e = threadIdx.x; e < SIZE; e += THREADS) {
+    float sum = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < KW; ++w) sum += (&partial[w][0][0])[e];
+    split.partial[((u64)sk.cta * 2 + slot) * SIZE + e] = sum;
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = atomicAdd(&split.counters[tile], 1u) == (unsigned)(last_cta - first);
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  // the first CTA's part is its last slot unless its range starts at this tile
+  const int first_slot = stream_start(first, sk) < first_unit ? 1 : 0;
+  for (int e = threadIdx.x; e < SIZE; e += THREADS) {
+    float sum = 0.0f;
+    for (int c = first; c <= last_cta; ++c) {
+      sum += __ldcg(split.partial + ((u64)c * 2 + (c == first ? first_slot : 0)) * SIZE + e);
+    }
+    (&partial[0][0][0])[e] = sum;
+  }
+  if (threadIdx.x == 0) split.counters[tile] = 0u;
+  __syncthreads();
+  return true;
+}
+
+// One CTA's work on row tile `tile_y`, token group `tile_x`, 128-column blocks [kb_lo, kb_hi) (all of them unless
+// SPLIT_K or STREAM_K): the main loop, the KW warps' sums, the fix-up of a split tile, the epilogue.
+template <int MT, int NT, int KW, bool BF16, int LORA_RANK, bool SPLIT_K, bool STREAM_K>
+__device__ __forceinline__ void decode_tile(const u16* __restrict__ x, int M, int K, int ldx, u16* __restrict__ out,
+                                            int ldo, const Segments& seg, const LoraTerms& lora,
+                                            const SplitK& split, int tile_y, int tile_x, int kb_lo, int kb_hi,
+                                            const StreamK& sk, int slot) {
   constexpr bool PREFETCH_X = NT <= 2;
   constexpr int ROWS = 16 * MT, TOKENS = 8 * NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
 
-  const auto [s, rows, row0] = row_tile(seg, ROWS);
-  const int tok0 = blockIdx.x * TOKENS;
+  const auto [s, rows, row0] = row_tile(seg, ROWS, tile_y);
+  const int tok0 = tile_x * TOKENS;
   const int k_vectors = K >> 5;  // 16-byte vectors (32 codes) per weight row, also byte pairs per scale row
 
   // Rows past the end of the segment and tokens past M read a real row and are never stored.
@@ -540,10 +611,7 @@ __global__ void DECODE_BOUNDS(KW) nvfp4_mma_kernel(const u16* __restrict__ x, in
 
   // This warp's 128-column blocks: the full ones two at a time, the next block's loads in flight while one
   // computes; then the last block if K % 128 != 0 (K % 32 == 0, so each lane's 32 columns are in or out).
-  const int all_blocks = (K + 127) >> 7;
-  const int per_split = SPLIT_K ? (all_blocks + gridDim.z - 1) / gridDim.z : all_blocks;
-  const int split_begin = SPLIT_K ? min(all_blocks, (int)blockIdx.z * per_split) : 0;
-  const int blocks = SPLIT_K ? min(all_blocks, split_begin + per_split) : all_blocks;
+  const int split_begin = kb_lo, blocks = kb_hi;
   const int per_warp = (blocks - split_begin + KW - 1) / KW;
   const int kb_begin = split_begin + warp * per_warp;
   const int kb_end = min(blocks, kb_begin + per_warp);
@@ -607,6 +675,11 @@ __global__ void DECODE_BOUNDS(KW) nvfp4_mma_kernel(const u16* __restrict__ x, in
   if constexpr (SPLIT_K) {
     if (!last_of_split(partial, split)) return;
   }
+  // (stream-K: a whole tile needs no fix-up; a part does, and then the total is in partial[0])
+  const bool fixed_up = STREAM_K && (kb_lo != 0 || kb_hi != sk.blocks);
+  if constexpr (STREAM_K) {
+    if (fixed_up && !last_of_stream(partial, split, sk, tile_y * sk.groups + tile_x, slot)) return;
+  }
   // (a LoRA-free build keeps a one-element array the compiler drops)
   __shared__ float terms[LORA_RANK > 0 ? TOKENS : 1][LORA_RANK > 0 ? ROWS : 1];
   const bool lora_here = LORA_RANK > 0 && pick(lora.b, s) != nullptr;
@@ -623,11 +696,50 @@ __global__ void DECODE_BOUNDS(KW) nvfp4_mma_kernel(const u16* __restrict__ x, in
     if (row >= rows || tok0 + tok >= M) continue;
     float sum = 0.0f;
     #pragma unroll
-    for (int w = 0; w < (SPLIT_K ? 1 : KW); ++w) sum += partial[w][tok][r];
+    for (int w = 0; w < (SPLIT_K ? 1 : KW); ++w) {
+      if (!STREAM_K || !fixed_up || w == 0) sum += partial[w][tok][r];
+    }
     sum *= factor;
     if (bias != nullptr) sum += input_to_float<BF16>(bias[row]);
     if (lora_here) sum = input_to_float<BF16>(round_to_output<BF16>(sum)) + (&terms[0][0])[tok * ROWS + r];
     out[(u64)(tok0 + tok) * ldo + seg.col_start[s] + row] = round_to_output<BF16>(sum);
+  }
+}
+
+template <int MT, int NT, int KW, bool BF16, int LORA_RANK = 0, bool SPLIT_K = false>
+__global__ void DECODE_BOUNDS(KW) nvfp4_mma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
+                                                            u16* __restrict__ out, int ldo, Segments seg,
+                                                            LoraTerms lora, SplitK split) {
+  const int all_blocks = (K + 127) >> 7;
+  const int per_split = SPLIT_K ? (all_blocks + gridDim.z - 1) / gridDim.z : all_blocks;
+  const int split_begin = SPLIT_K ? min(all_blocks, (int)blockIdx.z * per_split) : 0;
+  const int blocks = SPLIT_K ? min(all_blocks, split_begin + per_split) : all_blocks;
+  decode_tile<MT, NT, KW, BF16, LORA_RANK, SPLIT_K, false>(x, M, K, ldx, out, ldo, seg, lora, split, (int)blockIdx.y,
+                                                           (int)blockIdx.x, split_begin, blocks, StreamK{}, 0);
+}
+
+// The stream-K launch of the same instance: grid (CTAs, 1, 1), CTAs = what the GPU holds at once. For 8 tokens per
+// CTA its registers are capped at what lets 16 warps share a multiprocessor (128 per thread, the plain builds'
+// count): the loop over parts made the compiler take 136-160 and so halve the resident CTAs of the 8-warp
+// instances. 16 tokens need more than 128 (the plain builds take 120-172), so those are left uncapped.
+#define STREAM_MIN_BLOCKS(MT, NT, KW) ((MT) * (NT) <= 2 && 16 / (KW) > 1 ? 16 / (KW) : 1)
+template <int MT, int NT, int KW, bool BF16, int LORA_RANK = 0>
+__global__ void __launch_bounds__(32 * KW, STREAM_MIN_BLOCKS(MT, NT, KW))
+    nvfp4_mma_stream_kernel(const u16* __restrict__ x, int M, int K, int ldx, u16* __restrict__ out, int ldo,
+                            Segments seg, LoraTerms lora, SplitK split) {
+  constexpr int TOKENS = 8 * NT;
+  const int all_blocks = (K + 127) >> 7;
+  const int groups = (M + TOKENS - 1) / TOKENS;
+  const StreamK sk{(int)blockIdx.x, (int)gridDim.x, row_tiles(seg) * groups * all_blocks, all_blocks, groups};
+  int unit = stream_start(sk.cta, sk);
+  const int end = stream_start(sk.cta + 1, sk);
+  for (int part = 0; unit < end; ++part) {
+    const int tile = unit / all_blocks, kb_lo = unit - tile * all_blocks;
+    const int kb_hi = min(all_blocks, kb_lo + (end - unit));
+    if (part > 0) __syncthreads();  // the previous tile's epilogue has read the shared sums
+    decode_tile<MT, NT, KW, BF16, LORA_RANK, false, true>(x, M, K, ldx, out, ldo, seg, lora, split, tile / groups,
+                                                          tile % groups, kb_lo, kb_hi, sk, part == 0 ? 0 : 1);
+    unit += kb_hi - kb_lo;
   }
 }
 
