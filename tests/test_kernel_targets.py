@@ -108,13 +108,17 @@ def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
         )
     shape = {"KV_HEADS": 4, "GROUP": 7, "GROUP_PAD": 16, "HEAD_DIM": 128, "SPLITS": 8, "SPLITS_PAD": 8,
              "MIN_STAT": float(torch.finfo(torch.float32).min)}  # fmt: skip
+    from trl_qerl.rollout import decode_attention as attention
+
+    block = attention.BLOCK
+    merge_tiles = {"DIM_BLOCK": attention.MERGE_DIM_BLOCK, "SPLIT_BLOCK": attention.MERGE_SPLITS}
     for merge in (False, True):
-        constexprs = {**shape, "CHUNK": 64, "BLOCK": 32, "DOT_DTYPE": _tl(t), "DOT_PRECISION": "tf32",
-                      "MERGE": merge}  # fmt: skip
+        constexprs = {**shape, "CHUNK": 2 * block, "BLOCK": block, "DOT_DTYPE": _tl(t), "DOT_PRECISION": "tf32",
+                      "MERGE": merge, **{f"MERGE_{k}": v for k, v in merge_tiles.items()}}  # fmt: skip
         specs[f"split-KV partials{' + merge' if merge else ''} {t}"] = rollout(
-            "split_kv._partials_kernel", constexprs, 4
+            "split_kv._partials_kernel", constexprs, attention.PARTIALS_WARPS
         )
-    specs[f"split-KV merge {t}"] = rollout("split_kv._merge_kernel", shape, 4)
+    specs[f"split-KV merge {t}"] = rollout("split_kv._merge_kernel", {**shape, "CHUNK": 2 * block, **merge_tiles}, 4)
     return specs
 
 

@@ -72,7 +72,7 @@ def _partials_kernel(
 @triton.jit
 def _chunks_used(last, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
     """How many chunks hold a position ``<= last`` (the later ones read nothing and weigh exactly zero)."""
-    return tl.minimum(last // CHUNK + 1, SPLITS)
+    return tl.minimum(last // CHUNK + 1, SPLITS).to(tl.int32)
 
 
 @triton.jit
