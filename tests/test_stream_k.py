@@ -66,6 +66,17 @@ def test_chooser_offers_stream_launches_only_when_asked(monkeypatch):
     )  # tables saved before stream_k existed still load
 
 
+def test_nvfp4_stream_k_launches_the_chosen_decode_instances_as_stream_k(monkeypatch):
+    """``NVFP4_STREAM_K=1`` (for A/B runs of whole steps): plain instances of up to 16 tokens per CTA launch as
+    stream-K, split-K and wider instances as chosen; unset, every instance as chosen."""
+    plain, split, wide = cuda_mma.MMAConfig(2, 1, 8), cuda_mma.MMAConfig(1, 1, 8, 2), cuda_mma.MMAConfig(1, 4, 4)
+    monkeypatch.delenv("NVFP4_STREAM_K", raising=False)
+    assert [cuda_mma.launch_config(c) for c in (plain, split, wide)] == [plain, split, wide]
+    monkeypatch.setenv("NVFP4_STREAM_K", "1")
+    assert cuda_mma.launch_config(plain) == cuda_mma.MMAConfig(2, 1, 8, stream_k=True)
+    assert cuda_mma.launch_config(split) == split and cuda_mma.launch_config(wide) == wide
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
 def test_stream_builds_compile_for_each_target(arch):

@@ -14,6 +14,7 @@ them and the Triton kernels, which serve where they do not apply or fail to buil
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 from collections.abc import Sequence
@@ -339,6 +340,7 @@ def matmul(
     Callers check `supports` (and `lora_supported`) first. ``biases`` (one per weight, or None) are in ``x.dtype``.
     Inside `twiddle.twiddled_codes` the build reads the twiddled order."""
     m, k = x.shape
+    config = launch_config(config)
     biases = list(biases) if biases is not None else [None] * len(weights)
     segments, tiles, total = segments_of(weights, biases, config.rows)
     if out is None:
@@ -359,6 +361,16 @@ def matmul(
     ]  # fmt: skip
     build.launch(grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic)
     return out
+
+
+def launch_config(config: MMAConfig) -> MMAConfig:
+    """The instance a launch runs: ``config``, or with ``NVFP4_STREAM_K=1`` the stream-K launch of a plain instance
+    of up to 16 tokens per CTA (`MMAConfig.stream_k`), so that whole steps can be timed with the same kernel choices
+    launched both ways. Read at each launch (captured graphs keep what they captured); off by default until the
+    stream-K launch is measured."""
+    if os.environ.get("NVFP4_STREAM_K", "0") != "1" or config.stream_k or config.k_splits > 1 or config.n_tiles > 2:
+        return config
+    return dataclasses.replace(config, stream_k=True)
 
 
 PDL_BUILD = ("-DNVFP4_PDL=1",)
@@ -510,6 +522,7 @@ def launch_tiled(
     ``(x, M, K, ldx, out, ldo, partial, segments, *extra_args)``, a CTA per (token tile, row tile, K split), and,
     when K is split, the launch that adds the fp32 partial sums in split order."""
     m, k = x.shape
+    config = launch_config(config)
     biases = list(biases) if biases is not None else [None] * len(weights)
     segments, tiles, total = segments_of(weights, biases, config.rows)
     if out is None:
