@@ -89,8 +89,8 @@ def main() -> None:
     options = twiddle.TWIDDLED_BUILD if args.twiddled else ()
     name = config.name_expression(dtype, lora_rank=args.lora_rank)
     build = cuda_mma.kernel(name, dtype, device, options)
-    per_sm = build.resident_blocks(32 * config.k_warps)
-    slots = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    slots = cuda_mma.resident_ctas(build, config, device)
+    per_sm = slots // torch.cuda.get_device_properties(device).multi_processor_count
     x = torch.randn(args.tokens, args.k, device=device, dtype=dtype)
     print(f"{config}{' + LoRA r' + str(args.lora_rank) if args.lora_rank else ''}, "
           f"{'twiddled' if args.twiddled else 'standard'} build, K = {args.k}, {args.tokens} tokens; "

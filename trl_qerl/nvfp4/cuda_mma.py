@@ -178,11 +178,17 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 def _split_k(config: MMAConfig, tiles: int, m: int, device: torch.device) -> _SplitK:
     """The ``SPLIT_K`` build's buffers: partial sums (new per launch; a captured graph keeps its own) and the tiles'
     arrival counters (`arrival_counters`)."""
-    split = _SplitK()
     if config.k_splits == 1:
-        return split
+        return _SplitK()
     tile_count = tiles * -(-m // config.tokens)
-    partial = torch.empty(tile_count * config.k_splits * config.rows * config.tokens, device=device)
+    return _partials_and_counters(tile_count * config.k_splits * config.rows * config.tokens, tile_count, device)
+
+
+def _partials_and_counters(floats: int, tile_count: int, device: torch.device) -> _SplitK:
+    """A new fp32 buffer of ``floats`` partial sums (a captured graph keeps its own) and ``tile_count`` arrival
+    counters (`arrival_counters`), as the kernel's `SplitK` argument."""
+    split = _SplitK()
+    partial = torch.empty(floats, device=device)
     split.partial, split.counters = partial.data_ptr(), arrival_counters(device, tile_count).data_ptr()
     split._keep = partial  # alive until the launch is queued (the caching allocator orders reuse on the stream)
     return split
@@ -191,18 +197,19 @@ def _split_k(config: MMAConfig, tiles: int, m: int, device: torch.device) -> _Sp
 def _stream_k(config: MMAConfig, ctas: int, tile_count: int, device: torch.device) -> _SplitK:
     """The stream-K launch's buffers: two parts' sums per CTA (new per launch; a captured graph keeps its own) and the
     tiles' arrival counters (`arrival_counters`)."""
-    split = _SplitK()
-    partial = torch.empty(ctas * 2 * config.rows * config.tokens, device=device)
-    split.partial, split.counters = partial.data_ptr(), arrival_counters(device, tile_count).data_ptr()
-    split._keep = partial
-    return split
+    return _partials_and_counters(ctas * 2 * config.rows * config.tokens, tile_count, device)
+
+
+def resident_ctas(build: nvrtc.CudaKernel, config: MMAConfig, device: torch.device) -> int:
+    """CTAs of ``build`` the GPU holds at once: the occupancy calculator's count per multiprocessor times the
+    multiprocessors."""
+    per_multiprocessor = build.resident_blocks(32 * config.k_warps)
+    return per_multiprocessor * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def stream_ctas(build: nvrtc.CudaKernel, config: MMAConfig, device: torch.device, units: int) -> int:
-    """CTAs of a stream-K launch: as many as the GPU holds at once (the occupancy calculator's count per
-    multiprocessor times the multiprocessors), at most one per unit."""
-    per_multiprocessor = build.resident_blocks(32 * config.k_warps)
-    return max(1, min(units, per_multiprocessor * torch.cuda.get_device_properties(device).multi_processor_count))
+    """CTAs of a stream-K launch: as many as the GPU holds at once (`resident_ctas`), at most one per unit."""
+    return max(1, min(units, resident_ctas(build, config, device)))
 
 
 @dataclass(frozen=True)
@@ -522,7 +529,6 @@ def launch_tiled(
     ``(x, M, K, ldx, out, ldo, partial, segments, *extra_args)``, a CTA per (token tile, row tile, K split), and,
     when K is split, the launch that adds the fp32 partial sums in split order."""
     m, k = x.shape
-    config = launch_config(config)
     biases = list(biases) if biases is not None else [None] * len(weights)
     segments, tiles, total = segments_of(weights, biases, config.rows)
     if out is None:

@@ -61,11 +61,12 @@ def _partials_kernel(
     tl.store(sum_ptr + out + heads, running_sum, mask=heads < GROUP)
     if MERGE:  # the last of the row's chunks to arrive merges them all
         if last_to_arrive(count_ptr, row_head, SPLITS):
+            used = _chunks_used(last, CHUNK, SPLITS)
             # slice by slice, in the merge kernel's tiles: the same sums in the same order, so the same bits
             for dim_start in tl.static_range(0, HEAD_DIM, MERGE_DIM_BLOCK):
-                _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, _chunks_used(last, CHUNK, SPLITS),
-                                dim_start, stride_ob, stride_oh, KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, MERGE_DIM_BLOCK,
-                                SPLITS, SPLITS_PAD, MERGE_SPLIT_BLOCK, MIN_STAT, ".cg")  # fmt: skip
+                _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, used, dim_start, stride_ob, stride_oh,
+                                KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, MERGE_DIM_BLOCK, SPLITS, SPLITS_PAD,
+                                MERGE_SPLIT_BLOCK, MIN_STAT, ".cg")  # fmt: skip
             reset_arrivals(count_ptr, row_head)
 
 
