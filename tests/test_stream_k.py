@@ -49,8 +49,8 @@ def test_config_names_the_stream_build_and_refuses_what_it_cannot_run():
 
 
 def test_chooser_offers_stream_launches_only_when_asked(monkeypatch):
-    """Off by default (not yet measured); when asked, the stream launch of every plain instance of up to 16 tokens
-    per CTA, and the saved-choices form keeps the flag."""
+    """Off by default (measured slower on the H200); when asked, the stream launch of every plain instance of up to
+    16 tokens per CTA, and the saved-choices form keeps the flag."""
     from trl_qerl.nvfp4 import kernels
 
     shape = (8, 5120, 13824)  # 14B down at 8 rows

@@ -147,10 +147,12 @@ more than the fuller grid gains); only 32B down at 8-16 rows gained 2-4 %. ``ben
 
 
 STREAM_K_CANDIDATES = False
-"""Whether `candidate_configs` also offers the stream-K launch of each decode instance (`MMAConfig.stream_k`). Off
-until it is measured: built in the fifteenth session (2026-12-03) after the device time was spent, it passes the CPU
-tests (builds, registers, main loop) but has not run on a GPU. ``bench_waves.py --stream-k`` times it against the
-plain launch; ``bench_lora_epilogue.py --sweep`` with this set times it among the engine's instances."""
+"""Whether `candidate_configs` also offers the stream-K launch of each decode instance (`MMAConfig.stream_k`). Off:
+measured on the H200 (2026-12-03, BENCHMARKS.md "The stream-K launch measured, ..."), it is flat at 2.4-2.5 TB/s over
+0.5-5 waves, slower than the plain launch below one wave and at whole waves (14B down at 0.5 waves: 15.4 against
+12.6 us), and the 14B rollout with every plain launch as stream-K took 7.51 against 6.73 s. ``bench_waves.py
+--stream-k`` times it against the plain launch; ``bench_lora_epilogue.py --sweep`` with this set times it among the
+engine's instances."""
 
 
 class _SplitK(ctypes.Structure):
@@ -373,8 +375,8 @@ def matmul(
 def launch_config(config: MMAConfig) -> MMAConfig:
     """The instance a launch runs: ``config``, or with ``NVFP4_STREAM_K=1`` the stream-K launch of a plain instance
     of up to 16 tokens per CTA (`MMAConfig.stream_k`), so that whole steps can be timed with the same kernel choices
-    launched both ways. Read at each launch (captured graphs keep what they captured); off by default until the
-    stream-K launch is measured."""
+    launched both ways. Read at each launch (captured graphs keep what they captured); off by default (measured
+    slower, `STREAM_K_CANDIDATES`)."""
     if os.environ.get("NVFP4_STREAM_K", "0") != "1" or config.stream_k or config.k_splits > 1 or config.n_tiles > 2:
         return config
     return dataclasses.replace(config, stream_k=True)
