@@ -14,7 +14,9 @@ TB/s; then, per ``--tail-splits`` S, a remedy that needs no new kernel: the whol
 partial wave as a second launch with K split over S CTAs per tile (the ``SPLIT_K`` build), so that the tail fills
 about S times as many slots. The slots come from the CUDA occupancy calculator for the instance's build
 (`nvrtc.CudaKernel.resident_blocks`). The first size's output is checked against the float32 product of the
-dequantised weight (standard build), and so is each tail-split form's.
+dequantised weight (standard build), and so is each tail-split form's. With ``--async-stages`` S, the same launch
+built with the decode kernel's cp.async ring of S blocks (`cuda_mma.ASYNC_STAGES_FLAG`: more weight loads in flight
+without registers), µs and TB/s, checked the same way; its own CTAs per multiprocessor are printed in the header.
 
 Usage (a CUDA GPU):
     python scripts/bench_waves.py --k 3584 --instance 2,1,4 --lora-rank 32 --twiddled --json out.json
@@ -80,8 +82,12 @@ def main() -> None:
                         help="also time the last partial wave as its own launch with K split over this many CTAs")  # fmt: skip
     parser.add_argument("--stream-k", action="store_true",
                         help="also time the instance's stream-K launch (MMAConfig.stream_k: one launch, no last wave)")  # fmt: skip
+    parser.add_argument("--async-stages", type=int, nargs="*", default=[],
+                        help="also time the build with the cp.async ring of this many blocks (2 or more)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if any(stages < 2 for stages in args.async_stages):
+        raise SystemExit("--async-stages: the ring needs at least 2 blocks")
     config, device, dtype = args.instance, torch.device("cuda"), torch.bfloat16
     if args.lora_rank and not cuda_mma.lora_fits(config):
         raise SystemExit(f"--lora-rank: {config} has no room for the LoRA epilogue")
@@ -95,10 +101,16 @@ def main() -> None:
     print(f"{config}{' + LoRA r' + str(args.lora_rank) if args.lora_rank else ''}, "
           f"{'twiddled' if args.twiddled else 'standard'} build, K = {args.k}, {args.tokens} tokens; "
           f"{per_sm} CTAs per multiprocessor, {slots} slots; {torch.cuda.get_device_name()}")  # fmt: skip
+    for stages in args.async_stages:
+        ring_build = cuda_mma.kernel(name, dtype, device, options + (f"{cuda_mma.ASYNC_STAGES_FLAG}{stages}",))
+        ring_slots = cuda_mma.resident_ctas(ring_build, config, device, cuda_mma.decode_ring_bytes(config, stages))
+        print(f"ring of {stages} blocks: {cuda_mma.decode_ring_bytes(config, stages)} bytes of shared memory per CTA, "
+              f"{ring_slots} slots")  # fmt: skip
     tails = "".join(f" tail split {splits} µs |" for splits in args.tail_splits)
     stream = " stream-K µs | stream-K TB/s |" if args.stream_k else ""
-    print(f"| waves | rows | MB | µs | TB/s |{tails}{stream}")
-    print("|---|---|---|---|---|" + "---|" * (len(args.tail_splits) + 2 * args.stream_k))
+    rings = "".join(f" ring {stages} µs | ring {stages} TB/s |" for stages in args.async_stages)
+    print(f"| waves | rows | MB | µs | TB/s |{tails}{stream}{rings}")
+    print("|---|---|---|---|---|" + "---|" * (len(args.tail_splits) + 2 * args.stream_k + 2 * len(args.async_stages)))
     results = []
     for i, waves in enumerate(args.waves):
         rows = rows_for_waves(waves, slots, config.rows)
@@ -132,11 +144,18 @@ def main() -> None:
             _check(x, weight, lora, streamed)
             row["stream_k_us"] = time_us(functools.partial(streamed, options=options))
             stream_cells = f" {row['stream_k_us']:.1f} | {megabytes / row['stream_k_us']:.2f} |"
+        ring_cells = ""
+        row["ring_us"] = {}
+        for stages in args.async_stages:
+            flag = f"{cuda_mma.ASYNC_STAGES_FLAG}{stages}"
+            _check(x, weight, lora, functools.partial(whole, options=(flag,)))
+            row["ring_us"][stages] = time_us(functools.partial(whole, options=options + (flag,)))
+            ring_cells += f" {row['ring_us'][stages]:.1f} | {megabytes / row['ring_us'][stages]:.2f} |"
         results.append(row)
         tail_cells = "".join(f" {row['tail_split_us'][s]:.1f} |" if s in row["tail_split_us"] else " — |"
                              for s in args.tail_splits)  # fmt: skip
-        print(f"| {waves:g} | {rows} | {megabytes:.1f} | {us:.1f} | {megabytes / us:.2f} |{tail_cells}{stream_cells}",
-              flush=True)  # fmt: skip
+        print(f"| {waves:g} | {rows} | {megabytes:.1f} | {us:.1f} | {megabytes / us:.2f} |{tail_cells}{stream_cells}"
+              f"{ring_cells}", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": {**vars(args), "instance": str(config)}, "slots": slots, "per_sm": per_sm,

@@ -202,16 +202,51 @@ def _stream_k(config: MMAConfig, ctas: int, tile_count: int, device: torch.devic
     return _partials_and_counters(ctas * 2 * config.rows * config.tokens, tile_count, device)
 
 
-def resident_ctas(build: nvrtc.CudaKernel, config: MMAConfig, device: torch.device) -> int:
-    """CTAs of ``build`` the GPU holds at once: the occupancy calculator's count per multiprocessor times the
-    multiprocessors."""
-    per_multiprocessor = build.resident_blocks(32 * config.k_warps)
+def resident_ctas(build: nvrtc.CudaKernel, config: MMAConfig, device: torch.device, shared_memory: int = 0) -> int:
+    """CTAs of ``build`` the GPU holds at once (with ``shared_memory`` bytes of dynamic shared memory each): the
+    occupancy calculator's count per multiprocessor times the multiprocessors."""
+    per_multiprocessor = build.resident_blocks(32 * config.k_warps, shared_memory)
     return per_multiprocessor * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def stream_ctas(build: nvrtc.CudaKernel, config: MMAConfig, device: torch.device, units: int) -> int:
+def stream_ctas(
+    build: nvrtc.CudaKernel, config: MMAConfig, device: torch.device, units: int, shared_memory: int = 0
+) -> int:
     """CTAs of a stream-K launch: as many as the GPU holds at once (`resident_ctas`), at most one per unit."""
-    return max(1, min(units, resident_ctas(build, config, device)))
+    return max(1, min(units, resident_ctas(build, config, device, shared_memory)))
+
+
+ASYNC_STAGES_FLAG = "-DNVFP4_ASYNC_STAGES="
+"""The NVRTC flag of the decode kernel's cp.async ring (csrc/nvfp4_mma.cu, `AsyncRing`): codes and scales come
+through a per-warp ring of this many 128-column blocks in dynamic shared memory instead of a register prefetch of one
+block. A build for benchmarks (``bench_lora_epilogue.py --variants NVFP4_ASYNC_STAGES=4``), not yet measured."""
+
+RING_BYTES_PER_ROW = 72
+"""Bytes one weight row takes in one block of the ring: 64 of codes and 8 of block scales."""
+
+
+def async_stages(flags: Sequence[str]) -> int:
+    """The ring's blocks in a build's NVRTC ``flags`` (the last `ASYNC_STAGES_FLAG`), 0 without one."""
+    stages = [flag.removeprefix(ASYNC_STAGES_FLAG) for flag in flags if flag.startswith(ASYNC_STAGES_FLAG)]
+    return int(stages[-1]) if stages else 0
+
+
+def decode_ring_bytes(config: MMAConfig, stages: int) -> int:
+    """Dynamic shared memory of a decode launch whose build has a ring of ``stages`` blocks: each of the CTA's
+    ``k_warps`` warps holds ``stages`` blocks of its ``16 * m_tiles`` rows. 0 below 2 stages (the register path)."""
+    return config.k_warps * stages * config.rows * RING_BYTES_PER_ROW if stages >= 2 else 0
+
+
+def _ring_bytes(flags: Sequence[str], config: MMAConfig, weights: Sequence[Weight], k: int) -> int:
+    """`decode_ring_bytes` of a launch built with ``flags``, after checking what the ring's 8-byte scale copies
+    need."""
+    ring = decode_ring_bytes(config, async_stages(flags))
+    if ring and (k % 128 or any(scale.data_ptr() % 8 for _, scale, _ in weights)):
+        raise ValueError(
+            f"The {ASYNC_STAGES_FLAG}N build of the NVFP4 decode kernel needs K % 128 == 0 and 8-byte aligned block "
+            f"scales (K = {k}); launch this product with the default build."
+        )
+    return ring
 
 
 @dataclass(frozen=True)
@@ -358,9 +393,10 @@ def matmul(
     name = config.name_expression(x.dtype, lora_rank=lora.rank if lora is not None else 0)
     flags = options + (twiddle.TWIDDLED_BUILD if twiddle.active() else ())  # (captured graphs keep their build)
     build = kernel(name, x.dtype, x.device, flags + PDL_BUILD if programmatic else flags)
+    ring = _ring_bytes(flags, config, weights, k)
     groups = -(-m // config.tokens)
     if config.stream_k:
-        ctas = stream_ctas(build, config, x.device, tiles * groups * -(-k // 128))
+        ctas = stream_ctas(build, config, x.device, tiles * groups * -(-k // 128), ring)
         grid, split = (ctas, 1, 1), _stream_k(config, ctas, tiles * groups, x.device)
     else:
         grid, split = (groups, tiles, config.k_splits), _split_k(config, tiles, m, x.device)
@@ -368,7 +404,7 @@ def matmul(
         ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)), segments, _lora_terms(lora), split,
     ]  # fmt: skip
-    build.launch(grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic)
+    build.launch(grid, (32 * config.k_warps, 1, 1), args, programmatic=programmatic, shared_memory=ring)
     return out
 
 

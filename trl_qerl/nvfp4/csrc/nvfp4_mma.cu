@@ -41,6 +41,11 @@
 #define NVFP4_TWIDDLED 0  // 1: each code word in the bit order of `trl_qerl.nvfp4.twiddle` (decode and tiled kernels)
 #endif
 
+#ifndef NVFP4_ASYNC_STAGES
+#define NVFP4_ASYNC_STAGES 0  // >= 2: codes and scales come through a per-warp cp.async ring of this many blocks
+#endif
+#define ASYNC_RING (NVFP4_ASYNC_STAGES >= 2)
+
 #ifndef NVFP4_MIN_WARPS
 #define NVFP4_MIN_WARPS 0  // > 0: registers capped so that this many warps of the decode kernel fit a multiprocessor
 #endif
@@ -203,6 +208,28 @@ __device__ __forceinline__ uint4 load_cached(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+}
+
+// cp.async (sm_80+): the tiled kernel's stages and the decode kernel's optional ring (NVFP4_ASYNC_STAGES).
+__device__ __forceinline__ u32 shared_address(const void* p) {
+  u32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
+  return address;
+}
+
+__device__ __forceinline__ void copy_async_16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_8(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
@@ -457,6 +484,83 @@ __device__ __forceinline__ void compute_stage(const Stage<MT, NT, PREFETCH_X>& s
   });
 }
 
+// The cp.async ring (built with NVFP4_ASYNC_STAGES = S >= 2; the decode kernel is sm_80+ anyway). The register path keeps one block of codes in
+// flight per warp (NVFP4_DEPTH, limited by registers), and Nsight Compute found the 14B products at 8 rows waiting
+// on those loads half of the time with ~10 warps per multiprocessor. Here each lane copies its own 16 bytes of codes
+// per row (and a row's first lane its 8 bytes of scales) S - 1 blocks ahead into the warp's slice of dynamic shared
+// memory, so S - 1 blocks are in flight without registers. A lane reads back its own codes (no bank conflicts: a
+// warp's 16-byte reads of 8 rows x 64 bytes are contiguous) and the scales of its row's first lane (after a
+// __syncwarp). Activations come straight from global memory (L2/L1 hits), loaded before the wait. Needs K % 128 ==
+// 0 (8-byte aligned scale rows) and KW * S * AsyncRing<MT>::STAGE bytes of dynamic shared memory (cuda_mma.
+// decode_ring_bytes).
+template <int MT>
+struct AsyncRing {
+  static constexpr int ROWS = 16 * MT;
+  static constexpr int CODES = ROWS * 64;         // [row][64 bytes]: lane (g, t)'s 16 bytes at row * 64 + 16 t
+  static constexpr int STAGE = CODES + ROWS * 8;  // then [row][8 bytes]: the row's four pairs of block scales
+  static constexpr int WARP = (NVFP4_ASYNC_STAGES > 0 ? NVFP4_ASYNC_STAGES : 1) * STAGE;
+};
+static_assert(AsyncRing<1>::STAGE == 16 * 72, "AsyncRing no longer matches cuda_mma.RING_BYTES_PER_ROW");
+
+#if ASYNC_RING
+// Multiplies this warp's full blocks [kb_begin, full_end) into `acc` through the ring; returns the next block.
+template <int MT, int NT, bool BF16>
+__device__ __forceinline__ int multiply_blocks_async(unsigned char* ring, const LanePointers<MT, NT>& p, int kb_begin,
+                                                     int full_end, float (&acc)[MT][NT][4]) {
+  using R = AsyncRing<MT>;
+  constexpr int S = NVFP4_ASYNC_STAGES;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const u32 base = shared_address(ring);
+  auto issue = [&](int kb, int slot) {
+    if (kb < full_end) {
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = mt * 16 + h * 8 + g;
+          copy_async_16(base + slot * R::STAGE + row * 64 + t * 16, p.w[mt][h] + kb * 4);
+          if (t == 0) copy_async_8(base + slot * R::STAGE + R::CODES + row * 8, p.s[mt][h] + kb * 4);
+        }
+      }
+    }
+    copy_async_commit();  // (an empty group past the end keeps one group per block for the wait below)
+  };
+  __syncwarp();  // (a stream-K CTA's next part refills slots the previous part's lanes read)
+  #pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue(kb_begin + i, i);
+  wait_for_previous_kernel();  // (PDL build: the weights are requested before the activations are ready)
+  int slot = 0;
+  for (int kb = kb_begin; kb < full_end; ++kb) {
+    __syncwarp();  // every lane has read the slot of block kb - 1, which is refilled now
+    issue(kb + S - 1, slot == 0 ? S - 1 : slot - 1);
+    uint4 xv[NT][4];
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      #pragma unroll
+      for (int w = 0; w < 4; ++w) xv[nt][w] = load_cached(p.x[nt] + kb * 16 + w);
+    }
+    copy_async_wait<S - 1>();
+    __syncwarp();  // the scales that a row's first lane copied are visible to the others
+    uint4 w[MT][2];
+    u32 scales[MT][2];
+    const unsigned char* stage = ring + slot * R::STAGE;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = mt * 16 + h * 8 + g;
+        w[mt][h] = *reinterpret_cast<const uint4*>(stage + row * 64 + t * 16);
+        scales[mt][h] = *reinterpret_cast<const u16*>(stage + R::CODES + row * 8 + t * 2);
+      }
+    }
+    multiply_block<MT, NT, BF16>(w, scales, acc, [&](int nt, int word) { return xv[nt][word]; });
+    slot = slot == S - 1 ? 0 : slot + 1;
+  }
+  copy_async_wait<0>();
+  return max(kb_begin, full_end);
+}
+#endif
+
 // The weight segment (one matrix of a q/k/v or gate/up launch) that row tile blockIdx.y belongs to, its row count and
 // the tile's first row in it.
 struct RowTile {
@@ -616,6 +720,16 @@ __device__ __forceinline__ void decode_tile(const u16* __restrict__ x, int M, in
   const int kb_begin = split_begin + warp * per_warp;
   const int kb_end = min(blocks, kb_begin + per_warp);
   const int full_end = min(kb_end, K >> 7);
+#if ASYNC_RING
+  extern __shared__ __align__(16) unsigned char decode_ring[];
+  int kb = multiply_blocks_async<MT, NT, BF16>(decode_ring + warp * AsyncRing<MT>::WARP, p, kb_begin, full_end, acc);
+  if (kb < kb_end) {  // a last block of K % 128 columns: the launcher refuses such K for this build
+    Stage<MT, NT, PREFETCH_X> a{};
+    const bool live = kb * 128 + t * 32 < K;
+    load_stage<MT, NT, PREFETCH_X, true>(a, p, kb, live);
+    compute_stage<MT, NT, BF16, PREFETCH_X, true>(a, acc, p, kb, live);
+  }
+#else
   constexpr int STAGES = NVFP4_DEPTH + 1;
   Stage<MT, NT, PREFETCH_X> st[STAGES];
   #pragma unroll
@@ -658,6 +772,7 @@ __device__ __forceinline__ void decode_tile(const u16* __restrict__ x, int M, in
     compute_stage<MT, NT, BF16, PREFETCH_X, true>(a, acc, p, kb, live);
   }
 
+#endif
   allow_next_kernel();
 
   // Partial sums of the KW warps -> shared memory [warp][token][row] -> one fixed-order sum per output.
@@ -764,27 +879,6 @@ __global__ void __launch_bounds__(32 * KW, STREAM_MIN_BLOCKS(MT, NT, KW))
 // K may be split over grid.z (small layers at a few dozen rows would leave most multiprocessors idle): each split
 // then writes fp32 partial sums (already scaled, bias in split 0) and nvfp4_split_reduce_kernel adds them in fixed
 // order. Requires K % 128 == 0 (every Qwen/Llama width is) and 8-byte aligned scale rows.
-
-__device__ __forceinline__ u32 shared_address(const void* p) {
-  u32 address;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
-  return address;
-}
-
-__device__ __forceinline__ void copy_async_16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void copy_async_8(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
 
 __device__ __forceinline__ int x_chunk_slot(int chunk, int token) {
   return chunk ^ (((chunk >> 3) & 1) << 1) ^ (token & 1);
