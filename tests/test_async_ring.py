@@ -2,11 +2,12 @@
 block scales reach each warp through S blocks of dynamic shared memory instead of a register prefetch of one block.
 
 Without a GPU: the flag's parsing and the launch's shared memory, the refusal of K that is not a multiple of 128,
-builds for sm_80-sm_90, and on Hopper a main loop that copies the weights with
-cp.async and reads them back from shared memory, with no stack and fewer registers than the register path. The
-default build is untouched (`scripts/compare_sass.py --against <revision>`: 192 of 192 instances identical). On a
-GPU: plain, LoRA, split-K and stream-K instances with rings of 2-4 blocks give the register path's bits (the MMAs
-run in the same order), against float64 into NaN-poisoned outputs, also captured in a CUDA graph.
+builds for sm_80-sm_90, and on Hopper a main loop that copies the weights with cp.async and reads them back from
+shared memory, with no stack and fewer registers than the register path. The default build is untouched
+(`scripts/compare_sass.py --against <revision>`: 192 of 192 instances identical). On a GPU: plain, LoRA and split-K
+instances with rings of 2-4 blocks give the register path's bits (the MMAs run in the same order; stream-K within
+rounding, its parts depend on the occupancy), against float64 into NaN-poisoned outputs, also captured in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ def _inputs(m: int, dtype: torch.dtype, seed: int):
     return torch.randn(m, K, generator=generator).to("cuda", dtype), weights, biases
 
 
+def _assert_same_sums(ring: torch.Tensor, plain: torch.Tensor, config, label: str) -> None:
+    """The register path's bits: the MMAs run in the same order. Except stream-K, whose CTA count comes from the
+    occupancy, which the ring's shared memory changes, and with it where K is cut into parts."""
+    if config.stream_k:
+        assert relative_error(plain.double(), ring) < 4e-3, f"{config} {label}"
+    else:
+        assert torch.equal(ring, plain), f"{config} {label}: the MMAs run in the same order"
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
@@ -105,7 +115,7 @@ def test_ring_gives_the_register_paths_bits(dtype, m):
             options = (f"{RING}{stages}",)
             out = checked_wider_launch(lambda *a, **kw: cuda_mma.matmul(*a, **kw, options=options),
                                        x, weights, biases, config, expected, f"{config} ring {stages}")  # fmt: skip
-            assert torch.equal(out, plain), f"{config} ring {stages}: the MMAs run in the same order"
+            _assert_same_sums(out, plain, config, f"ring {stages}")
 
 
 @needs_cuda
@@ -123,7 +133,7 @@ def test_ring_adds_lora_terms_in_the_twiddled_build(m):
         with twiddle.twiddled_codes(codes):
             plain = cuda_mma.matmul(x, weights, config, biases, lora=lora)
             ring = cuda_mma.matmul(x, weights, config, biases, lora=lora, options=(f"{RING}4",))
-        assert torch.equal(ring, plain), str(config)
+        _assert_same_sums(ring, plain, config, "ring 4, LoRA")
     expected = reference(x, weights, biases)
     for i, scaling in enumerate(lora.scaling):
         start = sum(GROUP_ROWS[:i])
