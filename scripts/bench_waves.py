@@ -103,9 +103,9 @@ def main() -> None:
           f"{per_sm} CTAs per multiprocessor, {slots} slots; {torch.cuda.get_device_name()}")  # fmt: skip
     for stages in args.async_stages:
         ring_build = cuda_mma.kernel(name, dtype, device, options + (f"{cuda_mma.ASYNC_STAGES_FLAG}{stages}",))
-        ring_slots = cuda_mma.resident_ctas(ring_build, config, device, cuda_mma.decode_ring_bytes(config, stages))
-        print(f"ring of {stages} blocks: {cuda_mma.decode_ring_bytes(config, stages)} bytes of shared memory per CTA, "
-              f"{ring_slots} slots")  # fmt: skip
+        ring_bytes = cuda_mma.decode_ring_bytes(config, stages)
+        ring_slots = cuda_mma.resident_ctas(ring_build, config, device, ring_bytes)
+        print(f"ring of {stages} blocks: {ring_bytes} bytes of shared memory per CTA, {ring_slots} slots")
     tails = "".join(f" tail split {splits} µs |" for splits in args.tail_splits)
     stream = " stream-K µs | stream-K TB/s |" if args.stream_k else ""
     rings = "".join(f" ring {stages} µs | ring {stages} TB/s |" for stages in args.async_stages)

@@ -40,6 +40,20 @@ def reference(x: torch.Tensor, weights, biases) -> torch.Tensor:
     return torch.cat(outs, dim=1)
 
 
+def reference_with_lora(x: torch.Tensor, weights, biases, hidden: torch.Tensor, lora_b, scaling) -> torch.Tensor:
+    """`reference` plus each adapter's ``scaling_i * hidden_i @ B_i.T`` in float64: ``hidden`` holds ``x @ A_i.T`` of
+    the weights that have an adapter (``lora_b[i]`` not None), side by side in weight order, as
+    `cuda_mma.LoraInputs` does."""
+    outs, col = [], 0
+    for weight, bias, b, s in zip(weights, biases, lora_b, scaling):
+        out = reference(x, [weight], [bias])
+        if b is not None:
+            out = out + s * hidden[:, col : col + b.shape[1]].double() @ b.double().T
+            col += b.shape[1]
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
 def poisoned_out(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """An output buffer full of NaN, so an element a kernel forgets to write shows up."""
     return torch.full((m, n), float("nan"), device=DEVICE, dtype=dtype)

@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cuda_cases import TOLERANCE, check_graph_replays, checked_wider_launch, needs_nvrtc, quantized, reference
+from _cuda_cases import (
+    TOLERANCE,
+    check_graph_replays,
+    checked_wider_launch,
+    needs_nvrtc,
+    quantized,
+    reference,
+    reference_with_lora,
+)
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
 from trl_qerl.nvfp4 import cuda_mma, nvrtc
@@ -134,12 +142,7 @@ def test_ring_adds_lora_terms_in_the_twiddled_build(m):
             plain = cuda_mma.matmul(x, weights, config, biases, lora=lora)
             ring = cuda_mma.matmul(x, weights, config, biases, lora=lora, options=(f"{RING}4",))
         _assert_same_sums(ring, plain, config, "ring 4, LoRA")
-    expected = reference(x, weights, biases)
-    for i, scaling in enumerate(lora.scaling):
-        start = sum(GROUP_ROWS[:i])
-        expected[:, start : start + GROUP_ROWS[i]] += (
-            scaling * hidden[:, 32 * i : 32 * i + 32].double() @ (lora_b[i].double().T)
-        )
+    expected = reference_with_lora(x, weights, biases, hidden, lora_b, lora.scaling)
     assert relative_error(expected, ring) < TOLERANCE
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cuda_cases import TOLERANCE, needs_nvrtc, poisoned_out
+from _cuda_cases import TOLERANCE, needs_nvrtc, poisoned_out, reference_with_lora
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # `kernels` also defines the custom ops
@@ -44,19 +44,6 @@ def _case(m: int, k: int, dtype: torch.dtype, device: str, seed: int = 0):
     return x, weights, biases, hidden, lora_b
 
 
-def _reference64(x, weights, biases, hidden, lora_b):
-    """``cat([x @ W_i.T + b_i + scaling_i * hidden_i @ B_i.T])`` in float64."""
-    outs, col = [], 0
-    for (packed, scale, gs), bias, b, s in zip(weights, biases, lora_b, SCALING):
-        out = x.double() @ dequantize(packed, scale, gs, dtype=torch.float64).T
-        out = out + bias.double() if bias is not None else out
-        if b is not None:
-            out = out + s * hidden[:, col : col + b.shape[1]].double() @ b.double().T
-            col += b.shape[1]
-        outs.append(out)
-    return torch.cat(outs, dim=1)
-
-
 # -- without a GPU --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_adds_each_term_to_its_own_columns_and_rounds_once(dtype):
@@ -74,7 +61,7 @@ def test_reference_adds_each_term_to_its_own_columns_and_rounds_once(dtype):
         x, *(list(t) for t in zip(*weights)), biases, hidden, lora_b, list(SCALING)
     )
     assert torch.equal(ours, out)
-    assert relative_error(_reference64(x, weights, biases, hidden, lora_b), ours) < (
+    assert relative_error(reference_with_lora(x, weights, biases, hidden, lora_b, SCALING), ours) < (
         1e-5 if dtype == torch.float32 else TOLERANCE
     )
 
@@ -249,7 +236,7 @@ def test_every_decode_instance_adds_the_terms(dtype, m):
     x, weights, biases, hidden, lora_b = _case(m, k, dtype, "cuda", seed=m)
     lora = cuda_mma.LoraInputs(hidden, lora_b, SCALING)
     assert cuda_mma.supports(x, weights) and cuda_mma.lora_supported(x, weights, lora)
-    expected = _reference64(x, weights, biases, hidden, lora_b)
+    expected = reference_with_lora(x, weights, biases, hidden, lora_b, SCALING)
     width = sum(ROWS)
     configs = cuda_mma.candidate_configs(m, width, k) + [cuda_mma.heuristic_config(m, width, k, 132)]
     for config in configs:
@@ -270,7 +257,7 @@ def test_op_adds_the_terms_with_any_kernel_choice(monkeypatch):
 
     x, weights, biases, hidden, lora_b = _case(8, 1024, torch.bfloat16, "cuda", seed=5)
     packed, scale, gs = (list(t) for t in zip(*weights))
-    expected = _reference64(x, weights, biases, hidden, lora_b)
+    expected = reference_with_lora(x, weights, biases, hidden, lora_b, SCALING)
     chosen = torch.ops.trl_qerl.nvfp4_linear_grouped_lora(x, packed, scale, gs, biases, hidden, lora_b, list(SCALING))
     assert relative_error(expected, chosen) < TOLERANCE
     chooser = K.KernelChooser(autotune=False)
@@ -332,4 +319,4 @@ def test_graph_replays_read_new_activations_and_new_b_in_place():
         hidden.copy_(torch.randn(hidden.shape, generator=generator).cuda())
         lora_b[0].mul_(-1.5)  # an optimizer step writes B in place
         graph.replay()
-        assert relative_error(_reference64(x, weights, biases, hidden, lora_b), out) < TOLERANCE
+        assert relative_error(reference_with_lora(x, weights, biases, hidden, lora_b, SCALING), out) < TOLERANCE

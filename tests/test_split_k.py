@@ -22,6 +22,7 @@ from _cuda_cases import (
     poisoned_out,
     quantized,
     reference,
+    reference_with_lora,
 )
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
@@ -125,9 +126,7 @@ def test_split_instances_add_lora_terms(m):
     scaling = [2.0, 0.0, 0.5]
     lora = cuda_mma.LoraInputs(hidden, lora_b, scaling)
     assert cuda_mma.lora_supported(x, weights, lora)
-    expected = reference(x, weights, biases)
-    expected[:, : ROWS[0]] += scaling[0] * hidden[:, :16].double() @ lora_b[0].double().T
-    expected[:, -ROWS[2] :] += scaling[2] * hidden[:, 16:].double() @ lora_b[2].double().T
+    expected = reference_with_lora(x, weights, biases, hidden, lora_b, scaling)
     for config in _split_configs(m):
         out = cuda_mma.matmul(x, weights, config, biases, out=poisoned_out(m, sum(ROWS), torch.bfloat16), lora=lora)
         assert torch.isfinite(out).all() and relative_error(expected, out) < TOLERANCE, str(config)

@@ -21,6 +21,7 @@ from _cuda_cases import (
     poisoned_out,
     quantized,
     reference,
+    reference_with_lora,
 )
 from _sass import cuobjdump, main_loop, resources_of, sass_of
 
@@ -153,9 +154,7 @@ def test_stream_instances_add_lora_terms(m, twiddled):
     hidden = torch.randn(m, 32, generator=generator).cuda()
     scaling = [2.0, 0.0, 0.5]
     lora = cuda_mma.LoraInputs(hidden, lora_b, scaling)
-    expected = reference(x, weights, biases)
-    expected[:, : GROUP_ROWS[0]] += scaling[0] * hidden[:, :16].double() @ lora_b[0].double().T
-    expected[:, -GROUP_ROWS[2] :] += scaling[2] * hidden[:, 16:].double() @ lora_b[2].double().T
+    expected = reference_with_lora(x, weights, biases, hidden, lora_b, scaling)
     codes = [w[0] for w in weights]
     for config in STREAM_CONFIGS:
         out = poisoned_out(m, sum(GROUP_ROWS), torch.bfloat16)

@@ -484,9 +484,9 @@ __device__ __forceinline__ void compute_stage(const Stage<MT, NT, PREFETCH_X>& s
   });
 }
 
-// The cp.async ring (built with NVFP4_ASYNC_STAGES = S >= 2; the decode kernel is sm_80+ anyway). The register path keeps one block of codes in
-// flight per warp (NVFP4_DEPTH, limited by registers), and Nsight Compute found the 14B products at 8 rows waiting
-// on those loads half of the time with ~10 warps per multiprocessor. Here each lane copies its own 16 bytes of codes
+// The cp.async ring (built with NVFP4_ASYNC_STAGES = S >= 2). The register path keeps one block of codes in flight
+// per warp (NVFP4_DEPTH, limited by registers), and Nsight Compute found the 14B products at 8 rows waiting on those
+// loads half of the time with ~10 warps per multiprocessor. Here each lane copies its own 16 bytes of codes
 // per row (and a row's first lane its 8 bytes of scales) S - 1 blocks ahead into the warp's slice of dynamic shared
 // memory, so S - 1 blocks are in flight without registers. A lane reads back its own codes (no bank conflicts: a
 // warp's 16-byte reads of 8 rows x 64 bytes are contiguous) and the scales of its row's first lane (after a
@@ -723,12 +723,7 @@ __device__ __forceinline__ void decode_tile(const u16* __restrict__ x, int M, in
 #if ASYNC_RING
   extern __shared__ __align__(16) unsigned char decode_ring[];
   int kb = multiply_blocks_async<MT, NT, BF16>(decode_ring + warp * AsyncRing<MT>::WARP, p, kb_begin, full_end, acc);
-  if (kb < kb_end) {  // a last block of K % 128 columns: the launcher refuses such K for this build
-    Stage<MT, NT, PREFETCH_X> a{};
-    const bool live = kb * 128 + t * 32 < K;
-    load_stage<MT, NT, PREFETCH_X, true>(a, p, kb, live);
-    compute_stage<MT, NT, BF16, PREFETCH_X, true>(a, acc, p, kb, live);
-  }
+  Stage<MT, NT, PREFETCH_X> a{};  // (for a last block of K % 128 columns, which the launcher refuses for this build)
 #else
   constexpr int STAGES = NVFP4_DEPTH + 1;
   Stage<MT, NT, PREFETCH_X> st[STAGES];
@@ -766,13 +761,13 @@ __device__ __forceinline__ void decode_tile(const u16* __restrict__ x, int M, in
   }
   kb = max(kb_begin, full_end);  // (a warp with no blocks keeps kb_begin >= kb_end)
   Stage<MT, NT, PREFETCH_X>& a = st[0];
+#endif
   if (kb < kb_end) {
     const bool live = kb * 128 + t * 32 < K;
     load_stage<MT, NT, PREFETCH_X, true>(a, p, kb, live);
     compute_stage<MT, NT, BF16, PREFETCH_X, true>(a, acc, p, kb, live);
   }
 
-#endif
   allow_next_kernel();
 
   // Partial sums of the KW warps -> shared memory [warp][token][row] -> one fixed-order sum per output.
