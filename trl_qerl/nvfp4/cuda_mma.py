@@ -219,7 +219,10 @@ def stream_ctas(
 ASYNC_STAGES_FLAG = "-DNVFP4_ASYNC_STAGES="
 """The NVRTC flag of the decode kernel's cp.async ring (csrc/nvfp4_mma.cu, `AsyncRing`): codes and scales come
 through a per-warp ring of this many 128-column blocks in dynamic shared memory instead of a register prefetch of one
-block. A build for benchmarks (``bench_lora_epilogue.py --variants NVFP4_ASYNC_STAGES=4``), not yet measured."""
+block. A build for benchmarks (``bench_lora_epilogue.py --variants NVFP4_ASYNC_STAGES=4``), never chosen: measured
+on the H200 (2026-12-04, BENCHMARKS.md "The cp.async ring measured"), rings of 2-4 blocks were slower than the
+register path at 86 of 90 launch sizes (7B gate/up's and 14B down's instances, 0.5-5 waves), and rings of 3 and 4 in
+all 24 of the 7B and 14B decode products timed with the LoRA epilogue (gate/up up to 1.64x the time)."""
 
 RING_BYTES_PER_ROW = 72
 """Bytes one weight row takes in one block of the ring: 64 of codes and 8 of block scales."""

@@ -236,6 +236,7 @@ class CudaKernel:
         """How many CTAs of ``threads`` threads (and ``shared_memory`` bytes of dynamic shared memory) fit one
         multiprocessor at once (``cuOccupancyMaxActiveBlocksPerMultiprocessor``: registers, static shared memory and
         warps counted)."""
+        self._allow_shared_memory(shared_memory)  # else CTAs over the default 48 KB count as not fitting at all
         blocks = ctypes.c_int()
         result = cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
             ctypes.byref(blocks), self.function, ctypes.c_int(threads), ctypes.c_size_t(shared_memory)
@@ -252,12 +253,7 @@ class CudaKernel:
         start before the previous one on the stream has finished and must wait for it itself
         (``griddepcontrol.wait``) before reading what it wrote. ``shared_memory``: bytes of dynamic shared memory
         (``extern __shared__``)."""
-        if shared_memory > self.shared_memory_limit:
-            _check_cuda(
-                cuda_driver().cuFuncSetAttribute(self.function, MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_memory),
-                f"allowing {shared_memory} bytes of shared memory to {self.name}",
-            )
-            self.shared_memory_limit = shared_memory
+        self._allow_shared_memory(shared_memory)
         stream = torch.cuda.current_stream() if stream is None else stream
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
         handle = ctypes.c_void_p(stream.cuda_stream)
@@ -269,6 +265,16 @@ class CudaKernel:
             config = LaunchConfig(*grid, *block, shared_memory, handle, ctypes.pointer(attribute), 1)
             result = cuda_driver().cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None)
         _check_cuda(result, f"launching {self.name}")
+
+    def _allow_shared_memory(self, shared_memory: int) -> None:
+        """Raise the kernel's dynamic shared memory limit to ``shared_memory`` bytes where that is above it (the
+        driver's default is 48 KB)."""
+        if shared_memory > self.shared_memory_limit:
+            _check_cuda(
+                cuda_driver().cuFuncSetAttribute(self.function, MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_memory),
+                f"allowing {shared_memory} bytes of shared memory to {self.name}",
+            )
+            self.shared_memory_limit = shared_memory
 
 
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
