@@ -23,8 +23,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import random
 import statistics
 import tempfile
@@ -141,9 +143,41 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def profiled_trainer(step: int):
+class _HostProfile:
+    """cProfile as a context manager with the interface `profiled_trainer` uses (the torch profiler's)."""
+
+    def __init__(self) -> None:
+        self.profile = cProfile.Profile()
+
+    def __enter__(self):
+        self.profile.enable()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.profile.disable()
+
+
+def summarise_host_profile(host: _HostProfile, wall_ms: float, label: str, top: int = 30) -> dict:
+    """Python functions by their own host time (cProfile's tottime) for one training half: where the host spends a
+    step that the device would finish sooner."""
+    stats = pstats.Stats(host.profile)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
+    total_ms = 1e3 * stats.total_tt
+    print(f"\nhost profile of the training half, {label}: {wall_ms:.0f} ms wall (under cProfile), {total_ms:.0f} ms "
+          f"of profiled Python time")  # fmt: skip
+    print("| own ms | cumulative ms | calls | function |\n|---|---|---|---|")
+    table = []
+    for (filename, line, function), (_, calls, own, cumulative, _) in rows:
+        where = f"{Path(filename).name}:{line}({function})"
+        print(f"| {1e3 * own:.1f} | {1e3 * cumulative:.1f} | {calls} | {where} |")
+        table.append({"function": where, "calls": calls, "own_ms": 1e3 * own, "cumulative_ms": 1e3 * cumulative})
+    return {"label": label, "wall_ms": wall_ms, "profiled_ms": total_ms, "by_function": table}
+
+
+def profiled_trainer(step: int, host: bool = False):
     """`QeRLGRPOTrainer` that profiles the training half of optimizer step ``step`` (0-based): from the moment its
-    inputs are ready (rollout, rewards and log-probs done) to the end of the backward, CPU and CUDA activity."""
+    inputs are ready (rollout, rewards and log-probs done) to the end of the backward, CPU and CUDA activity (the
+    torch profiler), or with ``host`` the Python functions' own host time (cProfile)."""
     from torch.profiler import ProfilerActivity, profile
 
     class ProfiledTrainer(QeRLGRPOTrainer):
@@ -154,7 +188,9 @@ def profiled_trainer(step: int):
             inputs = super()._prepare_inputs(generation_batch)
             if self.state.global_step == step and self._profiler is None and self.training_half_profile is None:
                 _synchronize()
-                self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self._profiler = (
+                    _HostProfile() if host else profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                )
                 self._profiler.__enter__()
                 self._profile_start = time.perf_counter()
             return inputs
@@ -166,7 +202,8 @@ def profiled_trainer(step: int):
                 wall_ms = 1e3 * (time.perf_counter() - self._profile_start)
                 self._profiler.__exit__(None, None, None)
                 label = f"{self.args.quantization}, step {step}"
-                self.training_half_profile = summarise_profile(self._profiler, wall_ms, label)
+                summarise = summarise_host_profile if host else summarise_profile
+                self.training_half_profile = summarise(self._profiler, wall_ms, label)
                 self._profiler = None
             return loss
 
@@ -200,7 +237,8 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         output_dir=tempfile.mkdtemp(prefix=f"grpo-{mode}-"),
         pad_to_multiple_of=pad_setting(args.pad_to_multiple_of),
         quantization=mode,
-        max_steps=args.steps + bool(args.profile_train),  # the profiled step is extra, and not averaged
+        max_steps=args.steps
+        + bool(args.profile_train or args.profile_host),  # the profiled step is extra, and not averaged
         per_device_train_batch_size=batch,
         num_generations=args.num_generations or batch,
         max_completion_length=args.completion_tokens,
@@ -216,7 +254,8 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         seed=0,
     )
     probe = StepProbe()
-    trainer_class = profiled_trainer(args.steps) if args.profile_train else QeRLGRPOTrainer
+    profiled = args.profile_train or args.profile_host
+    trainer_class = profiled_trainer(args.steps, host=args.profile_host) if profiled else QeRLGRPOTrainer
     trainer = trainer_class(
         model,
         callbacks=[probe],
@@ -307,8 +346,13 @@ def main() -> None:
     parser.add_argument("--profile-train", action="store_true",
                         help="after the timed steps, one more step whose training half (loss forward, recomputation, "
                         "backward) is profiled: kernel time by kind and name, against its wall time")  # fmt: skip
+    parser.add_argument("--profile-host", action="store_true",
+                        help="like --profile-train, but the extra step's training half runs under cProfile: Python "
+                        "functions by their own host time, against its wall time")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.profile_train and args.profile_host:
+        parser.error("--profile-train and --profile-host each add a profiled step; give one of them")
     warnings.filterwarnings("ignore")
 
     config = qwen25_config(args.model)

@@ -47,3 +47,21 @@ def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
     profile = row["training_half_profile"]
     assert profile["label"] == "nvfp4, step 3" and profile["wall_ms"] > 0
     assert profile["host_by_op"] and profile["kernels"] == 0  # CPU: host operators only, no CUDA kernels
+
+
+def test_host_profile_names_the_functions_that_took_the_host_time(capsys):
+    from bench_grpo_step import _HostProfile, summarise_host_profile
+
+    def slow_python(n: int) -> int:
+        return sum(i * i for i in range(n))
+
+    with _HostProfile() as host:
+        for _ in range(20):
+            slow_python(20_000)
+    summary = summarise_host_profile(host, wall_ms=1.0, label="nvfp4, step 3", top=5)
+    assert summary["label"] == "nvfp4, step 3" and summary["profiled_ms"] > 0
+    functions = [row["function"] for row in summary["by_function"]]
+    assert len(functions) == 5 and any("slow_python" in name for name in functions)
+    ranked = [row["own_ms"] for row in summary["by_function"]]
+    assert ranked == sorted(ranked, reverse=True)
+    assert "slow_python" in capsys.readouterr().out

@@ -138,6 +138,32 @@ def test_grouped_op_equals_separate_products_and_checks_its_lists():
         torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scale[:2], gs, bias)
 
 
+def test_eager_calls_skip_the_op_and_traced_calls_keep_it(monkeypatch):
+    """`dispatch.op_when_traced`: plain tensors outside tracing take the op's body directly (no custom-op dispatch on
+    the host), torch.compile and tensor subclasses (other tracers' fake tensors) the op, with equal results; and
+    torch.compile of an NVFP4 layer still traces through the op (no graph break)."""
+    from trl_qerl.nvfp4.dispatch import op_when_traced
+
+    calls = []
+    eager = lambda *args: calls.append("eager") or K.eager_linear(*args)  # noqa: E731
+    op = lambda *args: calls.append("op") or torch.ops.trl_qerl.nvfp4_linear(*args)  # noqa: E731
+    linear = op_when_traced(eager, op)
+    quantized = _weight(64, 128)
+    x = torch.randn(5, 128, device=DEVICE)
+    direct = linear(x, *quantized)
+
+    class Marked(torch.Tensor):
+        pass
+
+    through_op = linear(x.as_subclass(Marked), *quantized)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    while_compiling = linear(x, *quantized)
+    assert calls == ["eager", "op", "op"]
+    assert torch.equal(direct, through_op.as_subclass(torch.Tensor)) and torch.equal(direct, while_compiling)
+    named = op_when_traced(K.eager_linear, torch.ops.trl_qerl.nvfp4_linear)
+    assert named.__name__ == "eager_linear" and named.__doc__ == K.eager_linear.__doc__
+
+
 def test_ops_on_cpu_equal_the_reference():
     quantized = quantize(torch.randn(64, 128))
     x = torch.randn(3, 128)

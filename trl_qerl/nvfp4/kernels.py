@@ -2,7 +2,9 @@
 
 A leaf: `trl_qerl.nvfp4.dispatch` imports it the first time CUDA activations reach an NVFP4 layer and registers
 ``nvfp4_linear_op`` / ``nvfp4_grad_input_op`` as the CUDA kernels of `NVFP4A16Linear`;
-``nvfp4_linear_grouped_op`` computes q/k/v (or gate/up) in one launch from their separate weights.
+``nvfp4_linear_grouped_op`` computes q/k/v (or gate/up) in one launch from their separate weights. Each op is a thin
+wrapper of a plain function (`eager_linear`, `eager_grad_input`, `eager_grouped`, `eager_grouped_lora`), which
+`dispatch` calls directly where nothing traces.
 
 Kernels:
 
@@ -792,8 +794,8 @@ class KernelChooser:
     def key(x: torch.Tensor, n: int, k: int, group: int = 1) -> str:
         """Choice key; ``group`` > 1 for one launch over several weights (their rows ``n`` in total)."""
         kind = f"|x{group}" if group > 1 else ""
-        return (f"{torch.cuda.get_device_name(x.device)}|{str(x.dtype).removeprefix('torch.')}|{m_bucket(x.shape[0])}"
-                f"|{n}|{k}{kind}")  # fmt: skip
+        return (f"{_device_name(nvrtc.device_index(x.device))}|{str(x.dtype).removeprefix('torch.')}|"
+                f"{m_bucket(x.shape[0])}|{n}|{k}{kind}")  # fmt: skip
 
     def choose(self, x, weight_packed, weight_scale, weight_global_scale) -> Choice:
         m, k = x.shape
@@ -802,8 +804,10 @@ class KernelChooser:
         weights = [(weight_packed, weight_scale, weight_global_scale)]
         if twiddle.active():
             return self._twiddled_choice(x, weights, key)
-        mma = mma_usable(x, weights)
         known = self.choices.get(key)
+        if known is not None and not isinstance(known, _CUDA_KERNEL_CHOICES):
+            return known  # applies to any call (`_applies`): skip the checks that the CUDA kernels need
+        mma = mma_usable(x, weights)
         if known is not None and _applies(known, x, weights, mma):
             return known
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -903,6 +907,16 @@ class KernelChooser:
         with open(path) as handle:
             table = json.load(handle)
         self.choices.update({key: _choice_from_json(c) for key, c in table.items()})
+
+
+_CUDA_KERNEL_CHOICES = (MMAConfig, TileConfig, WgmmaConfig)
+"""Choices that only some calls can run (`_applies`); the others (Triton, dequantise+cuBLAS) run on any."""
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    # Part of every choice key, asked on every call: torch's lookup costs a few µs of host time each time
+    return torch.cuda.get_device_name(index)
 
 
 def _applies(choice: Choice, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], mma: bool) -> bool:
@@ -1026,7 +1040,7 @@ SEPARATE = "separate products"
 def _separate_products(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None]):
     outs = []
     for weight, bias in zip(weights, biases):
-        out = nvfp4_linear_op(x, *weight)
+        out = eager_linear(x, *weight)
         outs.append(out + bias.to(out.dtype) if bias is not None else out)
     return torch.cat(outs, dim=1)
 
@@ -1076,7 +1090,7 @@ def grouped_linear_lora(
         except nvrtc.NVRTCError as error:
             _cuda_kernel_failed(x, choice, error)
     if len(weights) == 1:
-        out = nvfp4_linear_op(x, *weights[0])
+        out = eager_linear(x, *weights[0])
         out = out + biases[0].to(out.dtype) if biases[0] is not None else out
     else:
         out = grouped_linear(x, weights, biases)
@@ -1103,11 +1117,13 @@ KERNELS_NAME = "triton"
 """How the CUDA kernels are named in logs and benchmarks."""
 
 
-@torch.library.custom_op("trl_qerl::nvfp4_linear", mutates_args=())
-def nvfp4_linear_op(
+# Each custom op below but the dequantisation is made from a plain function of the same computation: `dispatch` calls
+# the plain function where nothing traces (eager training and prefill: the op's dispatch costs 31-82 µs of host time
+# per call, `dispatch.op_when_traced`), and the op where torch.compile or export traces, which needs its fake one.
+def eager_linear(
     x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor
 ) -> torch.Tensor:
-    """``x[M, K] @ dequant(W[N, K]).T`` (no bias)."""
+    """``x[M, K] @ dequant(W[N, K]).T`` (no bias): the body of ``trl_qerl::nvfp4_linear``."""
     if x.shape[-1] != weight_packed.shape[1] * 2:
         raise ValueError(
             f"nvfp4_linear: x has {x.shape[-1]} features, the weight expects {weight_packed.shape[1] * 2}."
@@ -1119,20 +1135,25 @@ def nvfp4_linear_op(
     return _fused(x, weight_packed, weight_scale, weight_global_scale)
 
 
+nvfp4_linear_op = torch.library.custom_op("trl_qerl::nvfp4_linear", eager_linear, mutates_args=())
+
+
 @nvfp4_linear_op.register_fake
 def _(x, weight_packed, weight_scale, weight_global_scale):
     return x.new_empty(x.shape[0], weight_packed.shape[0])
 
 
-@torch.library.custom_op("trl_qerl::nvfp4_grad_input", mutates_args=())
-def nvfp4_grad_input_op(
+def eager_grad_input(
     grad_out: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor
 ) -> torch.Tensor:
     """``grad_out[M, N] @ dequant(W[N, K])``: the input gradient LoRA needs (frozen base weights get none).
 
     The dense weight is a temporary that the caching allocator hands to the next layer; nothing dense outlives
-    the call."""
+    the call. The body of ``trl_qerl::nvfp4_grad_input``."""
     return grad_out @ _dense(weight_packed, weight_scale, weight_global_scale, grad_out.dtype)
+
+
+nvfp4_grad_input_op = torch.library.custom_op("trl_qerl::nvfp4_grad_input", eager_grad_input, mutates_args=())
 
 
 @nvfp4_grad_input_op.register_fake
@@ -1153,8 +1174,7 @@ def _(weight_packed, weight_scale, weight_global_scale, dtype):
     return weight_packed.new_empty(weight_packed.shape[0], weight_packed.shape[1] * 2, dtype=dtype)
 
 
-@torch.library.custom_op("trl_qerl::nvfp4_linear_grouped", mutates_args=())
-def nvfp4_linear_grouped_op(
+def eager_grouped(
     x: torch.Tensor,
     weight_packed: list[torch.Tensor],
     weight_scale: list[torch.Tensor],
@@ -1162,11 +1182,15 @@ def nvfp4_linear_grouped_op(
     bias: list[torch.Tensor | None],
 ) -> torch.Tensor:
     """``cat([x @ dequant(W_i).T + bias_i], dim=1)`` for up to three weights that read the same ``x[M, K]`` (q/k/v,
-    gate/up): one launch on CUDA where the decode kernel applies, read in place (no concatenated copy)."""
+    gate/up): one launch on CUDA where the decode kernel applies, read in place (no concatenated copy). The body of
+    ``trl_qerl::nvfp4_linear_grouped``."""
     if not weight_packed or not len(weight_packed) == len(weight_scale) == len(weight_global_scale) == len(bias):
         raise ValueError("nvfp4_linear_grouped: give one packed tensor, scale, global scale and bias per weight.")
     # (off CUDA, or with more weights than one launch takes, `grouped_linear` computes one product per weight)
     return grouped_linear(x, list(zip(weight_packed, weight_scale, weight_global_scale)), bias)
+
+
+nvfp4_linear_grouped_op = torch.library.custom_op("trl_qerl::nvfp4_linear_grouped", eager_grouped, mutates_args=())
 
 
 @nvfp4_linear_grouped_op.register_fake
@@ -1174,8 +1198,7 @@ def _(x, weight_packed, weight_scale, weight_global_scale, bias):
     return x.new_empty(x.shape[0], sum(p.shape[0] for p in weight_packed))
 
 
-@torch.library.custom_op("trl_qerl::nvfp4_linear_grouped_lora", mutates_args=())
-def nvfp4_linear_grouped_lora_op(
+def eager_grouped_lora(
     x: torch.Tensor,
     weight_packed: list[torch.Tensor],
     weight_scale: list[torch.Tensor],
@@ -1185,8 +1208,9 @@ def nvfp4_linear_grouped_lora_op(
     lora_b: list[torch.Tensor | None],
     scaling: list[float],
 ) -> torch.Tensor:
-    """`nvfp4_linear_grouped_op` (one to three weights) plus each weight's LoRA term ``scaling_i * hidden_i @
-    B_i.T``, ``hidden`` = ``x @ A_i.T`` of the weights with an adapter side by side (`grouped_linear_lora`)."""
+    """`eager_grouped` (one to three weights) plus each weight's LoRA term ``scaling_i * hidden_i @
+    B_i.T``, ``hidden`` = ``x @ A_i.T`` of the weights with an adapter side by side (`grouped_linear_lora`). The
+    body of ``trl_qerl::nvfp4_linear_grouped_lora``."""
     counts = {len(weight_packed), len(weight_scale), len(weight_global_scale), len(bias), len(lora_b), len(scaling)}
     if not weight_packed or len(counts) != 1:
         raise ValueError(
@@ -1201,6 +1225,11 @@ def nvfp4_linear_grouped_lora_op(
         )
     weights = list(zip(weight_packed, weight_scale, weight_global_scale))
     return grouped_linear_lora(x, weights, bias, cuda_mma.LoraInputs(hidden, lora_b, scaling))
+
+
+nvfp4_linear_grouped_lora_op = torch.library.custom_op(
+    "trl_qerl::nvfp4_linear_grouped_lora", eager_grouped_lora, mutates_args=()
+)
 
 
 @nvfp4_linear_grouped_lora_op.register_fake
@@ -1226,6 +1255,10 @@ __all__ = [
     "mma_usable",
     "dequantize_cuda",
     "device_path",
+    "eager_grad_input",
+    "eager_grouped",
+    "eager_grouped_lora",
+    "eager_linear",
     "fused_matmul",
     "guarded",
     "heuristic_config",
