@@ -277,8 +277,8 @@ def test_shrink_benchmark_takes_only_settings_the_kernel_module_has():
 
 
 def test_rollout_benchmark_engines_set_the_shrink_settings_and_restore_them():
-    """`bench_rollout.py`'s ``+norm_shrink_before`` and ``+shrink_settings`` engines: settings of
-    `_fused_shrink_kernel` while the engine runs, the shipped ones after."""
+    """`bench_rollout.py`'s ``+norm_shrink_before``, ``+shrink_settings`` and ``+add_in_next_norm`` engines: settings
+    of `_fused_shrink_kernel` and `fused_decode` while the engine runs, the shipped ones after."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from bench_rollout import engine_environment
 
@@ -290,6 +290,9 @@ def test_rollout_benchmark_engines_set_the_shrink_settings_and_restore_them():
     with engine_environment("fused+compile+split_kv+shrink_settings", shrink_settings="NORM_ROWS=4"):
         assert kernel.NORM_ROWS == 4
     assert (kernel.NORM_ONE_STEP, kernel.NORM_ROWS) == shipped
+    with engine_environment("fused+compile+split_kv+twiddle+add_in_next_norm"):
+        assert fused_decode.ADD_IN_NEXT_NORM
+    assert not fused_decode.ADD_IN_NEXT_NORM
     with pytest.raises(SystemExit, match="--shrink-settings"):
         with engine_environment("fused+compile+split_kv+shrink_settings"):
             pass
@@ -321,10 +324,24 @@ def test_fused_step_samples_do_not_change_with_the_fused_shrinks(monkeypatch, ar
     assert set(calls) == {"rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"}
 
 
+def test_adding_in_the_next_norm_gives_the_same_samples(monkeypatch):
+    """`fused_decode.ADD_IN_NEXT_NORM`: each layer's last residual add made by the next layer's input norm (zeros
+    for the first) gives the same samples bit for bit, with and without the fused shrinks, and then every norm of
+    the step is an adding one."""
+    before, _ = _samples_with_and_without(monkeypatch, "qwen2", "cpu")
+    monkeypatch.setattr(fused_decode, "ADD_IN_NEXT_NORM", True)
+    after, calls = _samples_with_and_without(monkeypatch, "qwen2", "cpu")
+    assert after[True] == after[False] == before[True]
+    assert set(calls) == {"add_rms_norm_shrink", "silu_mul_shrink"}
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_captured_compiled_step_with_the_fused_shrinks_on_cuda(monkeypatch):
+@pytest.mark.parametrize("add_in_next_norm", [False, True])
+def test_captured_compiled_step_with_the_fused_shrinks_on_cuda(monkeypatch, add_in_next_norm):
+    monkeypatch.setattr(fused_decode, "ADD_IN_NEXT_NORM", add_in_next_norm)
     samples, calls = _samples_with_and_without(monkeypatch, "qwen2", "cuda", compile=True)
-    assert set(calls) == {"rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"}
+    norms = {"add_rms_norm_shrink"} if add_in_next_norm else {"rms_norm_shrink", "add_rms_norm_shrink"}
+    assert set(calls) == norms | {"silu_mul_shrink"}
     fused, unfused = samples[True], samples[False]
     for ours, theirs, our_logprobs, their_logprobs in zip(
         fused.completion_ids, unfused.completion_ids, fused.logprobs, unfused.logprobs

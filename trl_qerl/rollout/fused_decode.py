@@ -48,6 +48,7 @@ from .fused_shrink import (
 
 
 __all__ = [
+    "ADD_IN_NEXT_NORM",
     "DECODE_ATTENTION",
     "FUSED_SHRINK",
     "FUSED_SHRINK_ROWS",
@@ -105,6 +106,15 @@ step, and no step-time change beyond the run-to-run spread up to 8 rows (batch 1
 Again with the SiLU·up shrink over every row (`_fused_shrink_kernel.ROWS_FROM`; eighth session, engines interleaved in
 one process): batch 8 3.97 / 4.00 ms against 4.07 / 4.09 with the per-row kernels, batch 16 with the fused shrinks
 5.40 / 5.42 against 5.33 / 5.34 with inductor's: the norms' per-row kernels still lose at 16 rows."""
+
+
+ADD_IN_NEXT_NORM = False
+"""Leave each layer's last residual add (its MLP output) to the next layer's input norm, which makes the sum in its
+own launch (`normed_input`: with `FUSED_SHRINK`, `add_rms_norm_shrink`, as for the post-attention add; compiled,
+inductor fuses it into the norm); the first layer adds zeros and the final norm adds the last pair. Same numbers
+(one bf16 add wherever it runs) with one kernel per layer fewer. Built 2026-12-04, samples bit for bit the same on
+CPU (tests/test_fused_shrink.py); not yet run on a GPU, so off by default (`scripts/bench_rollout.py`'s
+``+add_in_next_norm`` engines turn it on)."""
 
 
 def lora_shrink(x: torch.Tensor, projections: Sequence[Projection]) -> list[list[torch.Tensor]]:
@@ -292,6 +302,7 @@ def decoder_layer(
     spec: DecoderSpec,
     layer: LayerSpec,
     x: torch.Tensor,
+    delta: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     cache_k: torch.Tensor,
@@ -299,11 +310,15 @@ def decoder_layer(
     cache_position: torch.Tensor,
     mask: torch.Tensor,
     split_kv: bool = False,
-) -> torch.Tensor:
-    """One decoder layer on ``x[B, T, C]``; writes this layer's keys/values at ``cache_position`` in place.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on the input ``x`` (``[B, T, C]``), or ``x + delta``; writes this layer's keys/values at
+    ``cache_position`` in place and returns the next layer's ``(x, delta)``: with `ADD_IN_NEXT_NORM` the residual
+    stream after attention and the MLP's output, not yet added; else their sum and None.
     ``split_kv``: decode attention through `decode_attention.split_kv_attention` (one token per row)."""
     batch, tokens, width = x.shape
-    _, h, hidden = normed_input(x.reshape(batch * tokens, width), layer.input_norm, layer.qkv)
+    rows = (batch * tokens, width)
+    residual = delta.reshape(rows) if delta is not None else None
+    x, h, hidden = normed_input(x.reshape(rows), layer.input_norm, layer.qkv, residual)
     q, k, v = project(h, layer.qkv, hidden)
     q = q.view(batch, tokens, -1, spec.head_dim)
     k = k.view(batch, tokens, -1, spec.head_dim)
@@ -315,10 +330,13 @@ def decoder_layer(
     attended = attention(q, cache_k, cache_v, mask, spec.scaling, cache_position, split_kv)
     attended = attended.transpose(1, 2).reshape(batch * tokens, -1)
     o = project(attended, (layer.o,))[0]
-    x, h, hidden = normed_input(x.reshape(batch * tokens, width), layer.post_attention_norm, layer.gate_up, o)
+    x, h, hidden = normed_input(x, layer.post_attention_norm, layer.gate_up, o)
     gate, up = project(h, layer.gate_up, hidden)
     activated, hidden = activated_input(gate, up, (layer.down,))
-    return (x + project(activated, (layer.down,), hidden)[0]).view(batch, tokens, width)
+    down = project(activated, (layer.down,), hidden)[0]
+    if ADD_IN_NEXT_NORM:
+        return x.view(batch, tokens, width), down.view(batch, tokens, width)
+    return (x + down).view(batch, tokens, width), None
 
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "combo_kernels": True}
@@ -448,8 +466,10 @@ class FusedDecoder:
                  values=None) -> torch.Tensor:  # fmt: skip
         spec = self.spec
         x = F.embedding(input_ids, spec.embed)
+        # (zeros, not None, for the first layer: one compiled graph then serves every layer)
+        delta = torch.zeros_like(x) if ADD_IN_NEXT_NORM else None
         cos, sin = spec.rotary(x, position_ids)
         for layer, cache_k, cache_v in zip(spec.layers, keys or self.keys, values or self.values):
-            x = layer_fn(spec, layer, x, cos, sin, cache_k, cache_v, cache_position, mask, split_kv)
-        last = rms_norm(x[:, -1], spec.final_norm)
+            x, delta = layer_fn(spec, layer, x, delta, cos, sin, cache_k, cache_v, cache_position, mask, split_kv)
+        last = rms_norm(x[:, -1] if delta is None else x[:, -1] + delta[:, -1], spec.final_norm)
         return project(last, (spec.lm_head,))[0]
