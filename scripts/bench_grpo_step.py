@@ -143,24 +143,10 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-class _HostProfile:
-    """cProfile as a context manager with the interface `profiled_trainer` uses (the torch profiler's)."""
-
-    def __init__(self) -> None:
-        self.profile = cProfile.Profile()
-
-    def __enter__(self):
-        self.profile.enable()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.profile.disable()
-
-
-def summarise_host_profile(host: _HostProfile, wall_ms: float, label: str, top: int = 30) -> dict:
+def summarise_host_profile(host: cProfile.Profile, wall_ms: float, label: str, top: int = 30) -> dict:
     """Python functions by their own host time (cProfile's tottime) for one training half: where the host spends a
     step that the device would finish sooner."""
-    stats = pstats.Stats(host.profile)
+    stats = pstats.Stats(host)
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
     total_ms = 1e3 * stats.total_tt
     print(f"\nhost profile of the training half, {label}: {wall_ms:.0f} ms wall (under cProfile), {total_ms:.0f} ms "
@@ -189,7 +175,7 @@ def profiled_trainer(step: int, host: bool = False):
             if self.state.global_step == step and self._profiler is None and self.training_half_profile is None:
                 _synchronize()
                 self._profiler = (
-                    _HostProfile() if host else profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    cProfile.Profile() if host else profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 )
                 self._profiler.__enter__()
                 self._profile_start = time.perf_counter()
@@ -233,12 +219,12 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
             model = AutoModelForCausalLM.from_config(qwen25_config(args.model), dtype=torch.bfloat16)
     if not isinstance(model, str) and args.eos_rate > 0:  # TRL reads the EOS ids from the generation config
         model.generation_config.eos_token_id = eos_ids(tokenizer, args.eos_rate)
+    profiled = args.profile_train or args.profile_host
     config = QeRLConfig(
         output_dir=tempfile.mkdtemp(prefix=f"grpo-{mode}-"),
         pad_to_multiple_of=pad_setting(args.pad_to_multiple_of),
         quantization=mode,
-        max_steps=args.steps
-        + bool(args.profile_train or args.profile_host),  # the profiled step is extra, and not averaged
+        max_steps=args.steps + profiled,  # the profiled step is extra, and not averaged
         per_device_train_batch_size=batch,
         num_generations=args.num_generations or batch,
         max_completion_length=args.completion_tokens,
@@ -254,7 +240,6 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         seed=0,
     )
     probe = StepProbe()
-    profiled = args.profile_train or args.profile_host
     trainer_class = profiled_trainer(args.steps, host=args.profile_host) if profiled else QeRLGRPOTrainer
     trainer = trainer_class(
         model,

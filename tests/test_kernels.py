@@ -140,8 +140,7 @@ def test_grouped_op_equals_separate_products_and_checks_its_lists():
 
 def test_eager_calls_skip_the_op_and_traced_calls_keep_it(monkeypatch):
     """`dispatch.op_when_traced`: plain tensors outside tracing take the op's body directly (no custom-op dispatch on
-    the host), torch.compile and tensor subclasses (other tracers' fake tensors) the op, with equal results; and
-    torch.compile of an NVFP4 layer still traces through the op (no graph break)."""
+    the host), torch.compile and tensor subclasses (other tracers' fake tensors) the op, with equal results."""
     from trl_qerl.nvfp4.dispatch import op_when_traced
 
     calls = []

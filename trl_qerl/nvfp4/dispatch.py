@@ -7,6 +7,7 @@ their variant per GPU themselves, see `kernels.device_path`). Lower than `linear
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -118,10 +119,10 @@ def op_when_traced(eager: EagerFn, op: Callable[..., torch.Tensor]) -> EagerFn:
     product (a 3B step ~760 times, its device waiting on the host). Measured on the H200 (2026-12-04, 3B shapes at
     10,240 rows, `benchmarks/seventeenth_2026-12-04/`, ``host_probe.py``): 31-82 µs per call in three runs."""
 
+    @functools.wraps(eager)
     def call(*args):
         if torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor:
             return op(*args)
         return eager(*args)
 
-    call.__name__, call.__doc__ = eager.__name__, eager.__doc__
     return call  # type: ignore[return-value]

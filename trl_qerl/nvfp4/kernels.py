@@ -2,9 +2,9 @@
 
 A leaf: `trl_qerl.nvfp4.dispatch` imports it the first time CUDA activations reach an NVFP4 layer and registers
 ``nvfp4_linear_op`` / ``nvfp4_grad_input_op`` as the CUDA kernels of `NVFP4A16Linear`;
-``nvfp4_linear_grouped_op`` computes q/k/v (or gate/up) in one launch from their separate weights. Each op is a thin
-wrapper of a plain function (`eager_linear`, `eager_grad_input`, `eager_grouped`, `eager_grouped_lora`), which
-`dispatch` calls directly where nothing traces.
+``nvfp4_linear_grouped_op`` computes q/k/v (or gate/up) in one launch from their separate weights. These ops are made
+from plain functions (`eager_linear`, `eager_grad_input`, `eager_grouped`, `eager_grouped_lora`), which `dispatch`
+calls directly where nothing traces.
 
 Kernels:
 
@@ -806,7 +806,7 @@ class KernelChooser:
             return self._twiddled_choice(x, weights, key)
         known = self.choices.get(key)
         if known is not None and not isinstance(known, _CUDA_KERNEL_CHOICES):
-            return known  # applies to any call (`_applies`): skip the checks that the CUDA kernels need
+            return known  # applies to every call (`_applies`): skip `mma_usable`, which only the CUDA kernels need
         mma = mma_usable(x, weights)
         if known is not None and _applies(known, x, weights, mma):
             return known
@@ -921,13 +921,15 @@ def _device_name(index: int) -> str:
 
 def _applies(choice: Choice, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], mma: bool) -> bool:
     """Whether this call can run ``choice``: the CUDA kernels only where `mma_usable` (``mma``) holds, the tiled one
-    also needs `cuda_mma.supports_tile`, the wgmma one `cuda_wgmma.supports_wgmma`."""
+    also needs `cuda_mma.supports_tile`, the wgmma one `cuda_wgmma.supports_wgmma`; any other choice always."""
+    if not isinstance(choice, _CUDA_KERNEL_CHOICES):
+        return True
     if isinstance(choice, TileConfig):
         return mma and cuda_mma.supports_tile(x, weights)
     if isinstance(choice, WgmmaConfig):
         broken = (nvrtc.device_index(x.device), x.dtype) in _WGMMA_BROKEN
         return mma and not broken and cuda_wgmma.supports_wgmma(x, weights)
-    return mma or not isinstance(choice, MMAConfig)
+    return mma
 
 
 def _fastest_call(

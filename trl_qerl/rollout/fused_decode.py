@@ -310,7 +310,7 @@ def decoder_layer(
     cache_position: torch.Tensor,
     mask: torch.Tensor,
     split_kv: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder layer on the input ``x`` (``[B, T, C]``), or ``x + delta``; writes this layer's keys/values at
     ``cache_position`` in place and returns the next layer's ``(x, delta)``: with `ADD_IN_NEXT_NORM` the residual
     stream after attention and the MLP's output, not yet added; else their sum and None.
