@@ -100,8 +100,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+unshared_prefill": dict(engine="fused", compile=True, share_prefill=False,
                                                            capture_prefill=False, **_SPLIT),
            "fused+compile+split_kv+twiddle": dict(engine="fused", compile=True, **{**_SPLIT, "twiddled_decode": True}),
-           "fused+compile+split_kv+twiddle+add_in_next_norm": dict(engine="fused", compile=True,
-                                                                   **{**_SPLIT, "twiddled_decode": True}),
+           "fused+compile+split_kv+twiddle+add_in_layer": dict(engine="fused", compile=True,
+                                                                **{**_SPLIT, "twiddled_decode": True}),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -127,8 +127,9 @@ prompt repeats too (``share_prefill=False``; the other engines prefill each dist
 ``--generations`` exercises): the eighth session's prefill. ``+twiddle``: the decode steps read the codes in the
 twiddled bit order (``twiddled_decode=True``: codes permuted in place for the decode loop only, decode-kernel builds
 with ``-DNVFP4_TWIDDLED=1``, up to `fast.TWIDDLE_MAX_ROWS` rows; the other named engines have it off, ``default``
-has the generator's default, on for bf16 models). ``+add_in_next_norm``: each layer's last residual add made by the
-next layer's input norm (`fused_decode.ADD_IN_NEXT_NORM` True while that engine compiles, captures and runs)."""
+has the generator's default, on for bf16 models). ``+add_in_layer``: each layer's last residual add made in the layer,
+not by the next layer's input norm (`fused_decode.ADD_IN_NEXT_NORM` False while that engine compiles, captures and
+runs; the default since 2026-12-04)."""
 
 
 def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
@@ -158,7 +159,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     the partials launch for the ``+one_launch_attention`` ones (read at each call: captured graphs keep it), the table
     ``alt_choices`` over the kernel choices for the ``+alt_choices`` ones (read at each uncaptured call; captured
     graphs keep the launch), the shrink kernels' settings for the ``+norm_shrink_before`` and ``+shrink_settings``
-    ones (read at each launch: captured graphs keep them), ``ADD_IN_NEXT_NORM = True`` for the ``+add_in_next_norm``
+    ones (read at each launch: captured graphs keep them), ``ADD_IN_NEXT_NORM = False`` for the ``+add_in_layer``
     ones (read when a layer compiles and at each uncaptured step); else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import decode_attention
@@ -176,7 +177,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     fused_decode.LORA_EPILOGUE = epilogue and not engine.endswith("+lora_unfused")
     fused_decode.FUSED_SHRINK = shrink and not engine.endswith("+shrink_unfused")
     add_in_next_norm = fused_decode.ADD_IN_NEXT_NORM
-    fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm or engine.endswith("+add_in_next_norm")
+    fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm and not engine.endswith("+add_in_layer")
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS

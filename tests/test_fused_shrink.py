@@ -277,7 +277,7 @@ def test_shrink_benchmark_takes_only_settings_the_kernel_module_has():
 
 
 def test_rollout_benchmark_engines_set_the_shrink_settings_and_restore_them():
-    """`bench_rollout.py`'s ``+norm_shrink_before``, ``+shrink_settings`` and ``+add_in_next_norm`` engines: settings
+    """`bench_rollout.py`'s ``+norm_shrink_before``, ``+shrink_settings`` and ``+add_in_layer`` engines: settings
     of `_fused_shrink_kernel` and `fused_decode` while the engine runs, the shipped ones after."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from bench_rollout import engine_environment
@@ -290,9 +290,9 @@ def test_rollout_benchmark_engines_set_the_shrink_settings_and_restore_them():
     with engine_environment("fused+compile+split_kv+shrink_settings", shrink_settings="NORM_ROWS=4"):
         assert kernel.NORM_ROWS == 4
     assert (kernel.NORM_ONE_STEP, kernel.NORM_ROWS) == shipped
-    with engine_environment("fused+compile+split_kv+twiddle+add_in_next_norm"):
-        assert fused_decode.ADD_IN_NEXT_NORM
-    assert not fused_decode.ADD_IN_NEXT_NORM
+    with engine_environment("fused+compile+split_kv+twiddle+add_in_layer"):
+        assert not fused_decode.ADD_IN_NEXT_NORM
+    assert fused_decode.ADD_IN_NEXT_NORM
     with pytest.raises(SystemExit, match="--shrink-settings"):
         with engine_environment("fused+compile+split_kv+shrink_settings"):
             pass
@@ -321,13 +321,15 @@ def test_fused_step_samples_do_not_change_with_the_fused_shrinks(monkeypatch, ar
     """On CPU the ops run the torch formulas the step ran before: the same samples, bit for bit."""
     samples, calls = _samples_with_and_without(monkeypatch, arch, "cpu")
     assert samples[True] == samples[False]
-    assert set(calls) == {"rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"}
+    plain_norm = set() if fused_decode.ADD_IN_NEXT_NORM else {"rms_norm_shrink"}  # the first layer adds zeros
+    assert set(calls) == {"add_rms_norm_shrink", "silu_mul_shrink"} | plain_norm
 
 
 def test_adding_in_the_next_norm_gives_the_same_samples(monkeypatch):
     """`fused_decode.ADD_IN_NEXT_NORM`: each layer's last residual add made by the next layer's input norm (zeros
     for the first) gives the same samples bit for bit, with and without the fused shrinks, and then every norm of
     the step is an adding one."""
+    monkeypatch.setattr(fused_decode, "ADD_IN_NEXT_NORM", False)
     before, _ = _samples_with_and_without(monkeypatch, "qwen2", "cpu")
     monkeypatch.setattr(fused_decode, "ADD_IN_NEXT_NORM", True)
     after, calls = _samples_with_and_without(monkeypatch, "qwen2", "cpu")
