@@ -102,6 +102,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+twiddle": dict(engine="fused", compile=True, **{**_SPLIT, "twiddled_decode": True}),
            "fused+compile+split_kv+twiddle+add_in_layer": dict(engine="fused", compile=True,
                                                                 **{**_SPLIT, "twiddled_decode": True}),
+           "fused+compile+split_kv+twiddle+alt_choices": dict(engine="fused", compile=True,
+                                                               **{**_SPLIT, "twiddled_decode": True}),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -115,7 +117,8 @@ shrinks left to inductor, each a reduction of its own, instead of made with thei
 of the seventh session (one program per row and rank block, up to 8 rows; `_fused_shrink_kernel.ROWS_FROM` and
 `fused_decode.FUSED_SHRINK_ROWS` set back while that engine compiles, captures and runs). ``+alt_choices``: the
 NVFP4 kernel choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones
-for the keys they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process.
+for the keys they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process
+(``+twiddle+alt_choices``: the same in the twiddled build, against ``+twiddle``).
 ``+one_launch_attention``: the split-KV attention's partials merged by the partials launch itself
 (`decode_attention.MERGE_IN_PARTIALS` True while that engine captures and runs; the other engines merge with a second
 kernel). ``+norm_shrink_before``: the norm shrinks of the ninth session (each row in two passes, A loaded after the

@@ -278,9 +278,10 @@ def test_shrink_benchmark_takes_only_settings_the_kernel_module_has():
 
 def test_rollout_benchmark_engines_set_the_shrink_settings_and_restore_them():
     """`bench_rollout.py`'s ``+norm_shrink_before``, ``+shrink_settings`` and ``+add_in_layer`` engines: settings
-    of `_fused_shrink_kernel` and `fused_decode` while the engine runs, the shipped ones after."""
+    of `_fused_shrink_kernel` and `fused_decode` while the engine runs, the shipped ones after; the twiddled
+    ``+alt_choices`` engine refuses to run without its table."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from bench_rollout import engine_environment
+    from bench_rollout import ENGINES, engine_environment
 
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
@@ -290,11 +291,15 @@ def test_rollout_benchmark_engines_set_the_shrink_settings_and_restore_them():
     with engine_environment("fused+compile+split_kv+shrink_settings", shrink_settings="NORM_ROWS=4"):
         assert kernel.NORM_ROWS == 4
     assert (kernel.NORM_ONE_STEP, kernel.NORM_ROWS) == shipped
+    assert ENGINES["fused+compile+split_kv+twiddle+alt_choices"]["twiddled_decode"]
     with engine_environment("fused+compile+split_kv+twiddle+add_in_layer"):
         assert not fused_decode.ADD_IN_NEXT_NORM
     assert fused_decode.ADD_IN_NEXT_NORM
     with pytest.raises(SystemExit, match="--shrink-settings"):
         with engine_environment("fused+compile+split_kv+shrink_settings"):
+            pass
+    with pytest.raises(SystemExit, match="--alt-choices FILE"):
+        with engine_environment("fused+compile+split_kv+twiddle+alt_choices"):
             pass
 
 
