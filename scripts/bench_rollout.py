@@ -81,6 +81,7 @@ _SDPA, _SPLIT = (
     dict(decode_attention="sdpa", compact_finished=False, twiddled_decode=False),
     dict(decode_attention="split_kv", compact_finished=False, twiddled_decode=False),
 )
+_TWIDDLE = {**_SPLIT, "twiddled_decode": True}
 ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, twiddled_decode=False),
            "fused": dict(engine="fused", compile=False, **_SDPA),
            "fused+compile": dict(engine="fused", compile=True, **_SDPA),
@@ -99,11 +100,9 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+eager_prefill": dict(engine="fused", compile=True, capture_prefill=False, **_SPLIT),
            "fused+compile+split_kv+unshared_prefill": dict(engine="fused", compile=True, share_prefill=False,
                                                            capture_prefill=False, **_SPLIT),
-           "fused+compile+split_kv+twiddle": dict(engine="fused", compile=True, **{**_SPLIT, "twiddled_decode": True}),
-           "fused+compile+split_kv+twiddle+add_in_layer": dict(engine="fused", compile=True,
-                                                                **{**_SPLIT, "twiddled_decode": True}),
-           "fused+compile+split_kv+twiddle+alt_choices": dict(engine="fused", compile=True,
-                                                               **{**_SPLIT, "twiddled_decode": True}),
+           "fused+compile+split_kv+twiddle": dict(engine="fused", compile=True, **_TWIDDLE),
+           "fused+compile+split_kv+twiddle+add_in_layer": dict(engine="fused", compile=True, **_TWIDDLE),
+           "fused+compile+split_kv+twiddle+alt_choices": dict(engine="fused", compile=True, **_TWIDDLE),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
