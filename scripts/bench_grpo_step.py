@@ -131,11 +131,19 @@ def summarise_profile(prof, wall_ms: float, label: str) -> dict:
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
     for event in host:
         print(f"  host {event.self_cpu_time_total / 1e3:8.1f} ms {event.count:6d}x {event.key[:100]}")
+    # Which operator (and on which shapes) launched the kernel time: the elementwise kinds above name no caller
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    ops = sorted(ops, key=lambda e: -e.self_device_time_total)[:25]
+    for event in ops:
+        shapes = str(event.input_shapes)[:90]
+        print(f"  op {event.self_device_time_total / 1e3:8.1f} ms {event.count:6d}x {event.key[:40]} {shapes}")
     return {"label": label, "wall_ms": wall_ms, "kernels": len(kernels), "kernel_ms": kernel_ms,
             "by_kind": {k: {"kernels": c, "ms": ms} for k, (c, ms) in kinds.items()},
             "by_name": [{"name": n, "kernels": c, "ms": ms} for n, (c, ms) in by_name[:40]],
             "host_by_op": [{"op": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1e3}
-                           for e in host]}  # fmt: skip
+                           for e in host],
+            "device_by_op": [{"op": e.key, "shapes": str(e.input_shapes), "calls": e.count,
+                              "self_device_ms": e.self_device_time_total / 1e3} for e in ops]}  # fmt: skip
 
 
 def _synchronize() -> None:
@@ -175,7 +183,9 @@ def profiled_trainer(step: int, host: bool = False):
             if self.state.global_step == step and self._profiler is None and self.training_half_profile is None:
                 _synchronize()
                 self._profiler = (
-                    cProfile.Profile() if host else profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    cProfile.Profile()
+                    if host
+                    else profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
                 )
                 self._profiler.__enter__()
                 self._profile_start = time.perf_counter()

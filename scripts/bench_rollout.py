@@ -103,6 +103,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+twiddle": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+add_in_layer": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+alt_choices": dict(engine="fused", compile=True, **_TWIDDLE),
+           "fused+compile+split_kv+twiddle+shrink_settings": dict(engine="fused", compile=True, **_TWIDDLE),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -123,7 +124,7 @@ for the keys they hold while that engine compiles, captures and runs: an A/B of 
 kernel). ``+norm_shrink_before``: the norm shrinks of the ninth session (each row in two passes, A loaded after the
 statistics; `_fused_shrink_kernel.NORM_ONE_STEP` 0 and `NORM_ROWS` 1 while that engine captures). ``+shrink_settings``:
 the `_fused_shrink_kernel` settings of ``--shrink-settings`` (``NAME=VALUE,...``) while that engine captures and
-runs. ``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per
+runs (``+twiddle+shrink_settings``: the same in the twiddled build, against ``+twiddle``). ``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per
 prefill shape up to `fast.PREFILL_GRAPH_TOKENS` tokens). ``+unshared_prefill``: also every row prefilled, rows whose
 prompt repeats too (``share_prefill=False``; the other engines prefill each distinct prompt once, which
 ``--generations`` exercises): the eighth session's prefill. ``+twiddle``: the decode steps read the codes in the
