@@ -76,9 +76,7 @@ def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, s
 
 
 NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0),
-                "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192),
-                "every_row": dict(NORM_ROWS_FROM=2), "every_row_ranks_of_4": dict(NORM_ROWS_FROM=2, NORM_ROWS_RANK_BLOCK=4),
-                "every_row_wide": dict(NORM_ROWS_FROM=2, NORM_ROWS_RANK_BLOCK=1, NORM_ROWS_BLOCK_K=2048)}  # fmt: skip
+                "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -87,18 +85,13 @@ NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, 
 @pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
     """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's),
-    the row in two passes (rows wider than a step always take those), the steps of 4,096 columns of before (a 14B
-    row in two passes), and the kernel over every row (`NORM_ROWS_FROM`; its rank blocks of 2 and 4 where they divide
-    every rank, of 1 where not)."""
+    the row in two passes (rows wider than a step always take those), and the steps of 4,096 columns of before (a 14B
+    row in two passes)."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     for name, value in NORM_LAYOUTS[layout].items():
         monkeypatch.setattr(kernel, name, value)
-    assert kernel.takes_norm_rows(shape[0]) == layout.startswith("every_row")
-    for ranks in (RANKS["odd"], RANKS["qkv"]) if layout.startswith("every_row") else (RANKS["odd"],):
-        _check_norm_shrink(torch.bfloat16, True, ranks, shape)
-    if layout.startswith("every_row"):
-        _check_norm_shrink(torch.float16, False, RANKS["qkv"], shape)
+    _check_norm_shrink(torch.bfloat16, True, RANKS["odd"], shape)
 
 
 def _check_norm_shrink(dtype, residual, ranks, shape):
@@ -222,8 +215,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
-    first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2), and
-    `_norm_shrink_rows_kernel` at 8 and 16 rows."""
+    first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     result = tmp_path / "resources.json"
@@ -232,7 +224,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     resources = json.loads(result.read_text())
-    assert len(resources) == 11
+    assert len(resources) == 9
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
@@ -270,11 +262,6 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
                           ONE_STEP=True)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
         results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
-    for rows, block in ((8, K.NORM_ROWS_RANK_BLOCK), (16, K.NORM_ROWS_RANK_BLOCK)):  # the kernel over every row
-        constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, ROWS=rows, BLOCK_R=block,
-                          BLOCK_K=K.NORM_ROWS_BLOCK_K)  # fmt: skip
-        compiled = compile_for_hopper(K._norm_shrink_rows_kernel, constexprs, K.NORM_ROWS_WARPS)
-        results[f"norm every row, {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
     return results
 
 

@@ -78,16 +78,6 @@ NORM_TILE = 16384
 columns keep rank blocks of 2. 16 warps (`NORM_MAX_WARPS`) or tiles of 32,768 were slower (same run)."""
 NORM_MAX_WARPS = 8
 """Most warps per norm-shrink program (``BLOCK_K / 512``, at least one)."""
-NORM_ROWS_FROM = 0
-"""Norm shrinks of this many rows and more (up to `ROWS_MAX`) take `_norm_shrink_rows_kernel`, which reads each A
-tile once for every row of the launch (the per-row kernel reads A once per row: at 8 rows of 14B's q/k/v, ~16 MB from
-L2 for a 2 MB A); 0: never (the default until measured)."""
-NORM_ROWS_RANK_BLOCK = 2
-"""Rows of A per program of `_norm_shrink_rows_kernel` (1 where it does not divide every rank)."""
-NORM_ROWS_BLOCK_K = 512
-"""Columns per step of `_norm_shrink_rows_kernel`: its ``[ROWS, BLOCK_R, BLOCK_K]`` products live in registers."""
-NORM_ROWS_WARPS = 4
-"""Warps per program of `_norm_shrink_rows_kernel`."""
 
 
 @triton.jit
@@ -215,57 +205,6 @@ def _norm_shrink_kernel(
 
 
 @triton.jit
-def _norm_inputs(x_ptr, res_ptr, row_ids, offsets, mask, stride_x, stride_res,
-                 HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
-    """`_norm_input` for ``[ROWS, BLOCK_K]`` tiles."""
-    x = tl.load(x_ptr + row_ids[:, None] * stride_x + offsets[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        res = tl.load(res_ptr + row_ids[:, None] * stride_res + offsets[None, :], mask=mask, other=0.0)
-        x = _round(x + res.to(tl.float32), OUT).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _norm_shrink_rows_kernel(
-    x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr,
-    rows, width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
-    HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """One program per block of ``BLOCK_R`` A rows, every row of the launch at once (``ROWS``, a power of two, the
-    rest masked): a first pass over the columns for the rows' statistics, a second for ``s``, ``h`` (stored by
-    program 0) and the shrink sums, each A tile loaded once for all rows."""
-    first = tl.program_id(0) * BLOCK_R
-    base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
-    row_ids = tl.arange(0, ROWS)
-    live = row_ids < rows
-    ranks = tl.arange(0, BLOCK_R)
-    columns = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-    for start in range(0, width, BLOCK_K):
-        offsets = start + columns
-        mask = live[:, None] & (offsets < width)[None, :]
-        x = _norm_inputs(x_ptr, res_ptr, row_ids, offsets, mask, stride_x, stride_res, HAS_RESIDUAL, OUT)
-        squares += x * x
-    inverse = tl.rsqrt(tl.sum(squares, axis=1) / width + eps)  # torch.rsqrt, as the eager and inductor norms
-    acc = tl.zeros([ROWS, BLOCK_R], dtype=tl.float32)
-    for start in range(0, width, BLOCK_K):
-        offsets = start + columns
-        inside = offsets < width
-        mask = live[:, None] & inside[None, :]
-        x = _norm_inputs(x_ptr, res_ptr, row_ids, offsets, mask, stride_x, stride_res, HAS_RESIDUAL, OUT)
-        if HAS_RESIDUAL and tl.program_id(0) == 0:
-            tl.store(s_ptr + row_ids[:, None] * stride_s + offsets[None, :], x.to(OUT), mask=mask)
-        normed = _round(x * inverse[:, None], OUT).to(tl.float32)
-        weight = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        h = _round(weight[None, :] * normed, OUT)
-        if tl.program_id(0) == 0:
-            tl.store(h_ptr + row_ids[:, None] * stride_h + offsets[None, :], h, mask=mask)
-        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
-        acc += tl.sum(h.to(tl.float32)[:, None, :] * a[None, :, :], axis=2)
-    tl.store(t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :], acc, mask=live[:, None])
-
-
-@triton.jit
 def _silu_mul_shrink_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
     width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
@@ -360,11 +299,6 @@ def takes_rows(rows: int) -> bool:
     return ROWS_FROM <= rows <= ROWS_MAX
 
 
-def takes_norm_rows(rows: int) -> bool:
-    """Whether a norm shrink of ``rows`` rows takes `_norm_shrink_rows_kernel` (`NORM_ROWS_FROM` to `ROWS_MAX`)."""
-    return bool(NORM_ROWS_FROM) and NORM_ROWS_FROM <= rows <= ROWS_MAX
-
-
 def rows_layout(rows: int, width: int, ranks: list[int], programs: int = ROWS_PROGRAMS) -> tuple[int, int, int, int]:
     """(ROWS, BLOCK_R, BLOCK_K, span) of a launch over every row: steps whose ``[ROWS, BLOCK_K]`` input tile takes at
     most half of `ROWS_REGISTERS` per thread (16 rows of 1,024 columns spilled on sm_90), the widest rank block (of 8,
@@ -402,16 +336,6 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     has_residual = residual is not None
     residual = residual if has_residual else x
     s = s if has_residual else h
-    if takes_norm_rows(rows):
-        ranks = [a.shape[0] for a in lora_a]
-        block = NORM_ROWS_RANK_BLOCK if all(r % NORM_ROWS_RANK_BLOCK == 0 for r in ranks) else 1
-        _norm_shrink_rows_kernel[(t.shape[1] // block,)](
-            x, residual, weight, a0, a1, a2, s, h, t, rows, width, rank0, rank1, eps,
-            x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
-            HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], ROWS=triton.next_power_of_2(rows), BLOCK_R=block,
-            BLOCK_K=min(NORM_ROWS_BLOCK_K, triton.next_power_of_2(width)), num_warps=NORM_ROWS_WARPS,
-        )  # fmt: skip
-        return
     grid = (groups, t.shape[1] // block)
     _norm_shrink_kernel[grid](
         x, residual, weight, a0, a1, a2, s, h, t, rows, width, rank0, rank1, eps,
