@@ -146,6 +146,24 @@ def summarise_profile(prof, wall_ms: float, label: str) -> dict:
                               "self_device_ms": e.self_device_time_total / 1e3} for e in ops]}  # fmt: skip
 
 
+UNEVEN = 1.1
+"""A mode whose slowest measured step took more than this times its fastest is flagged: on the H200 a training half
+now and then stalls for ~1.8 s in either arm (BENCHMARKS.md, nineteenth session), which moves a mean of few steps."""
+
+
+def comparison(row: dict, base: dict) -> str:
+    """``row`` against ``base``: step ratio of the means and of the fastest steps (a stall only adds time, so the
+    fastest steps are the comparison a stall cannot move), rollout and peak-memory ratios, and which modes had
+    uneven steps."""
+    fastest = {id(r): min(r["step_s_each"]) for r in (row, base)}
+    uneven = [f"{r['mode']} slowest step {max(r['step_s_each']) / fastest[id(r)]:.2f}x its fastest"
+              for r in (row, base) if max(r["step_s_each"]) > UNEVEN * fastest[id(r)]]  # fmt: skip
+    return (f"{row['mode']} vs {base['mode']}: step {base['step_s'] / row['step_s']:.2f}x faster (fastest steps "
+            f"{fastest[id(base)] / fastest[id(row)]:.2f}x), rollout {base['rollout_s'] / row['rollout_s']:.2f}x, "
+            f"peak memory {row['peak_allocated_gb'] / base['peak_allocated_gb']:.2f}x"
+            + (f"; uneven steps: {', '.join(uneven)}" if uneven else ""))  # fmt: skip
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -380,10 +398,7 @@ def main() -> None:
     for batch in args.batch:
         rows = [r for r in results if r["batch"] == batch]
         for r in rows[:-1]:
-            base = rows[-1]
-            print(f"batch {batch}: {r['mode']} vs {base['mode']}: step {base['step_s'] / r['step_s']:.2f}x faster, "
-                  f"rollout {base['rollout_s'] / r['rollout_s']:.2f}x, "
-                  f"peak memory {r['peak_allocated_gb'] / base['peak_allocated_gb']:.2f}x")  # fmt: skip
+            print(f"batch {batch}: {comparison(r, rows[-1])}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

@@ -67,3 +67,18 @@ def test_host_profile_names_the_functions_that_took_the_host_time(capsys):
     ranked = [row["own_ms"] for row in summary["by_function"]]
     assert ranked == sorted(ranked, reverse=True)
     assert "slow_python" in capsys.readouterr().out
+
+
+def test_comparison_gives_the_fastest_steps_ratio_and_flags_uneven_steps():
+    """A stall adds ~1.8 s to one step now and then: the line gives the fastest steps' ratio beside the means' and
+    names the mode whose steps were uneven (the nineteenth session's 14B run: bf16 13.74 / 15.53 s)."""
+    from bench_grpo_step import comparison
+
+    qerl = {"mode": "nvfp4", "step_s": 8.69, "step_s_each": [8.70, 8.67], "rollout_s": 6.55, "peak_allocated_gb": 22.7}
+    bf16 = {"mode": "bf16", "step_s": 14.63, "step_s_each": [13.74, 15.53], "rollout_s": 11.32,
+            "peak_allocated_gb": 43.0}  # fmt: skip
+    line = comparison(qerl, bf16)
+    assert line.startswith("nvfp4 vs bf16: step 1.68x faster (fastest steps 1.58x)")
+    assert line.endswith("; uneven steps: bf16 slowest step 1.13x its fastest")
+    steady = comparison(qerl, dict(bf16, step_s=13.74, step_s_each=[13.74, 13.75]))
+    assert "uneven" not in steady and "(fastest steps 1.58x)" in steady
