@@ -155,11 +155,14 @@ def comparison(row: dict, base: dict) -> str:
     """``row`` against ``base``: step ratio of the means and of the fastest steps (a stall only adds time, so the
     fastest steps are the comparison a stall cannot move), rollout and peak-memory ratios, and which modes had
     uneven steps."""
-    fastest = {id(r): min(r["step_s_each"]) for r in (row, base)}
-    uneven = [f"{r['mode']} slowest step {max(r['step_s_each']) / fastest[id(r)]:.2f}x its fastest"
-              for r in (row, base) if max(r["step_s_each"]) > UNEVEN * fastest[id(r)]]  # fmt: skip
+
+    def fastest(r: dict) -> float:
+        return min(r["step_s_each"])
+
+    uneven = [f"{r['mode']} slowest step {max(r['step_s_each']) / fastest(r):.2f}x its fastest"
+              for r in (row, base) if max(r["step_s_each"]) > UNEVEN * fastest(r)]  # fmt: skip
     return (f"{row['mode']} vs {base['mode']}: step {base['step_s'] / row['step_s']:.2f}x faster (fastest steps "
-            f"{fastest[id(base)] / fastest[id(row)]:.2f}x), rollout {base['rollout_s'] / row['rollout_s']:.2f}x, "
+            f"{fastest(base) / fastest(row):.2f}x), rollout {base['rollout_s'] / row['rollout_s']:.2f}x, "
             f"peak memory {row['peak_allocated_gb'] / base['peak_allocated_gb']:.2f}x"
             + (f"; uneven steps: {', '.join(uneven)}" if uneven else ""))  # fmt: skip
 
