@@ -124,10 +124,11 @@ for the keys they hold while that engine compiles, captures and runs: an A/B of 
 kernel). ``+norm_shrink_before``: the norm shrinks of the ninth session (each row in two passes, A loaded after the
 statistics; `_fused_shrink_kernel.NORM_ONE_STEP` 0 and `NORM_ROWS` 1 while that engine captures). ``+shrink_settings``:
 the `_fused_shrink_kernel` settings of ``--shrink-settings`` (``NAME=VALUE,...``) while that engine captures and
-runs (``+twiddle+shrink_settings``: the same in the twiddled build, against ``+twiddle``). ``+eager_prefill``: the prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per
-prefill shape up to `fast.PREFILL_GRAPH_TOKENS` tokens). ``+unshared_prefill``: also every row prefilled, rows whose
-prompt repeats too (``share_prefill=False``; the other engines prefill each distinct prompt once, which
-``--generations`` exercises): the eighth session's prefill. ``+twiddle``: the decode steps read the codes in the
+runs (``+twiddle+shrink_settings``: the same in the twiddled build, against ``+twiddle``). ``+eager_prefill``: the
+prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per prefill shape up to
+`fast.PREFILL_GRAPH_TOKENS` tokens). ``+unshared_prefill``: also every row prefilled, rows whose prompt repeats too
+(``share_prefill=False``; the other engines prefill each distinct prompt once, which ``--generations`` exercises): the
+eighth session's prefill. ``+twiddle``: the decode steps read the codes in the
 twiddled bit order (``twiddled_decode=True``: codes permuted in place for the decode loop only, decode-kernel builds
 with ``-DNVFP4_TWIDDLED=1``, up to `fast.TWIDDLE_MAX_ROWS` rows; the other named engines have it off, ``default``
 has the generator's default, on for bf16 models). ``+add_in_layer``: each layer's last residual add made in the layer,
