@@ -45,6 +45,7 @@ from .fused_shrink import (
     shrink_reference,
     silu_mul_shrink,
 )
+from .lora_rows import lora_expand_add, lora_rows_applies, lora_shrink_rows
 
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "FUSED_SHRINK",
     "FUSED_SHRINK_ROWS",
     "LORA_EPILOGUE",
+    "LORA_ROW_KERNELS",
     "FusedDecoder",
     "apply_rotary",
     "attention",
@@ -90,6 +92,16 @@ kernel's epilogue; elsewhere, or where the chooser picks another kernel, added a
 the step reads the base output back to expand and add them. Other adapters, and ``False``, take the expand as its
 own reductions (how the step ran before; ``False`` is kept for benchmarks: `scripts/bench_rollout.py`'s
 ``+lora_unfused`` engine)."""
+
+
+LORA_ROW_KERNELS = True
+"""From `LORA_REDUCTION_ROWS` + 1 to `LORA_ROW_KERNELS_MAX` rows, on CUDA, a projection group's LoRA terms (one fp32
+adapter per projection, ranks multiples of 16) take two Triton launches (`lora_rows`: the shrink over every row, the
+expand added to the base outputs) instead of fp32 cuBLAS products, which run on CUDA cores with split-K reductions and
+a launch per projection. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s ``+lora_cublas`` engines)."""
+
+LORA_ROW_KERNELS_MAX = 128
+"""Most rows `LORA_ROW_KERNELS` takes (decode batches; longer prefills keep cuBLAS)."""
 
 
 FUSED_SHRINK = True
@@ -159,11 +171,45 @@ def project(
         return outputs
     if torch.compiler.is_compiling() and x.shape[0] <= LORA_REDUCTION_ROWS:
         return _add_lora_as_reductions(x, projections, outputs)
+    if _lora_in_row_kernels(x, projections, outputs):
+        return _add_lora_with_row_kernels(x, projections, outputs)
     shrunk = lora_shrink(x, projections)
     for index, (projection, hidden) in enumerate(zip(projections, shrunk)):
         if projection.lora:
             update = sum(F.linear(h, term.lora_b) * term.scaling for term, h in zip(projection.lora, hidden))
             outputs[index] = (outputs[index] + update).to(x.dtype)
+    return outputs
+
+
+_TRITON = triton_available()  # once: the compiled step must not call importlib
+
+
+def _row_kernels_run(x: torch.Tensor) -> bool:
+    """Whether `lora_rows`' ops launch their Triton kernels for ``x`` (elsewhere the cuBLAS path stays)."""
+    return x.device.type == "cuda" and _TRITON
+
+
+def _lora_in_row_kernels(x: torch.Tensor, projections: Sequence[Projection], outputs: list[torch.Tensor]) -> bool:
+    if not LORA_ROW_KERNELS or not LORA_REDUCTION_ROWS < x.shape[0] <= LORA_ROW_KERNELS_MAX or not _row_kernels_run(x):
+        return False
+    with_lora = [(p, out) for p, out in zip(projections, outputs) if p.lora]
+    if not all(len(p.lora) == 1 for p, _ in with_lora):
+        return False
+    terms = [p.lora[0] for p, _ in with_lora]
+    bases = [out for _, out in with_lora]
+    return lora_rows_applies(x, bases, [t.lora_a for t in terms], [t.lora_b for t in terms])
+
+
+def _add_lora_with_row_kernels(
+    x: torch.Tensor, projections: Sequence[Projection], outputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    indices = [i for i, p in enumerate(projections) if p.lora]
+    terms = [projections[i].lora[0] for i in indices]
+    t = lora_shrink_rows(x, [term.lora_a for term in terms])
+    summed = lora_expand_add([outputs[i] for i in indices], t, [term.lora_b for term in terms],
+                             [term.scaling for term in terms])  # fmt: skip
+    for index, out in zip(indices, summed):
+        outputs[index] = out
     return outputs
 
 
