@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -15,6 +18,17 @@ def cuobjdump() -> str | None:
         return shutil.which("cuobjdump")
     bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     return str(bundled) if bundled.exists() else shutil.which("cuobjdump")
+
+
+def compiled_in_subprocess(script: str, folder: Path) -> dict:
+    """The JSON that ``python script <folder>/resources.json`` writes, run without Triton's interpreter (the tests'
+    session runs it; compiling for a GPU target needs the real compiler) and with its own Triton cache."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(folder / "cache")
+    result = folder / "resources.json"
+    done = subprocess.run([sys.executable, script, str(result)], env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(result.read_text())
 
 
 def sass_of(cubin: bytes, folder: Path) -> str:

@@ -10,15 +10,13 @@ gives the same logits with and without them.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _sass import cuobjdump
+from _sass import compiled_in_subprocess, cuobjdump
 
 from trl_qerl.rollout import fused_decode
 from trl_qerl.rollout.fused_shrink import (
@@ -216,14 +214,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
     first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2)."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    result = tmp_path / "resources.json"
-    done = subprocess.run(
-        [sys.executable, __file__, str(result)], env=env, timeout=600, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    resources = json.loads(result.read_text())
+    resources = compiled_in_subprocess(__file__, tmp_path)
     assert len(resources) == 9
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"

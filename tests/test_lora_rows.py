@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _sass import cuobjdump
+from _sass import compiled_in_subprocess, cuobjdump
 
 from trl_qerl.rollout import fused_decode
 from trl_qerl.rollout.lora_rows import (
@@ -153,7 +151,7 @@ def test_the_step_takes_the_ops_only_above_the_epilogue_rows(monkeypatch):
     for name in ("lora_shrink_rows", "lora_expand_add"):
         original = getattr(fused_decode, name)
         monkeypatch.setattr(fused_decode, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
-    monkeypatch.setattr(fused_decode, "_row_kernels_run", lambda x: True)
+    monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
     limit = fused_decode.LORA_REDUCTION_ROWS
     for rows, taken in ((limit, False), (limit + 1, True), (fused_decode.LORA_ROW_KERNELS_MAX + 1, False)):
         x = torch.randn(rows, width, dtype=torch.bfloat16)
@@ -220,14 +218,7 @@ def test_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at their
     largest tiles (64 rows, rank blocks of 32 or the FMA tile, rank 64), both kernels keep their tiles in registers in
     every multiplying mode."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    result = tmp_path / "resources.json"
-    done = subprocess.run(
-        [sys.executable, __file__, str(result)], env=env, timeout=600, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    resources = json.loads(result.read_text())
+    resources = compiled_in_subprocess(__file__, tmp_path)
     assert len(resources) == 4
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"

@@ -45,7 +45,7 @@ from .fused_shrink import (
     shrink_reference,
     silu_mul_shrink,
 )
-from .lora_rows import lora_expand_add, lora_rows_applies, lora_shrink_rows
+from .lora_rows import lora_expand_add, lora_rows_applies, lora_shrink_rows, runs_triton
 
 
 __all__ = [
@@ -181,16 +181,8 @@ def project(
     return outputs
 
 
-_TRITON = triton_available()  # once: the compiled step must not call importlib
-
-
-def _row_kernels_run(x: torch.Tensor) -> bool:
-    """Whether `lora_rows`' ops launch their Triton kernels for ``x`` (elsewhere the cuBLAS path stays)."""
-    return x.device.type == "cuda" and _TRITON
-
-
 def _lora_in_row_kernels(x: torch.Tensor, projections: Sequence[Projection], outputs: list[torch.Tensor]) -> bool:
-    if not LORA_ROW_KERNELS or not LORA_REDUCTION_ROWS < x.shape[0] <= LORA_ROW_KERNELS_MAX or not _row_kernels_run(x):
+    if not LORA_ROW_KERNELS or not LORA_REDUCTION_ROWS < x.shape[0] <= LORA_ROW_KERNELS_MAX or not runs_triton(x):
         return False
     with_lora = [(p, out) for p, out in zip(projections, outputs) if p.lora]
     if not all(len(p.lora) == 1 for p, _ in with_lora):

@@ -65,9 +65,14 @@ def lora_rows_applies(
     return True
 
 
+_TRITON = (
+    triton_available()
+)  # once: `runs_triton` also runs while the decode layer compiles, and dynamo stops at importlib
+
+
 def runs_triton(x: torch.Tensor) -> bool:
     """Whether the ops launch their Triton kernels for ``x`` (CUDA with Triton installed)."""
-    return x.device.type == "cuda" and triton_available()
+    return x.device.type == "cuda" and _TRITON
 
 
 def expand_add_reference(
