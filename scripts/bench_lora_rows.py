@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b", help="Qwen2.5 shape (scripts/model_shapes.py)")
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 64], help="rows per call (decode batch)")
-    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (a multiple of 16)")
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank (a multiple of 4 up to 64)")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME=VALUE,...",
                         help="more Triton arms: integer settings of trl_qerl.rollout._lora_rows_kernel")  # fmt: skip
     parser.add_argument("--json", help="write the rows here")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -36,3 +37,33 @@ def quiet_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+class _CompileFallbacks(logging.Handler):
+    """Collects the fused decoder's "compiling ... failed; running it eagerly" warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "compiling the fused decode step failed" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def no_compile_fallback_on_cuda():
+    """On CUDA, a test whose compiled decode step fell back to eager layers fails. The fallback keeps every number
+    right (it is there so that rollouts never stop), so only this catches a change that breaks compilation; one did
+    in the twentieth session, and the engine ran 1.5x slower while every test passed."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    handler = _CompileFallbacks()
+    logger = logging.getLogger("trl_qerl.rollout.fused_decode")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    assert not handler.messages, handler.messages[0]

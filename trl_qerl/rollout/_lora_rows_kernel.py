@@ -149,36 +149,43 @@ def block_m(rows: int) -> int:
     return max(16, min(64, triton.next_power_of_2(rows)))
 
 
-def rank_block(ranks: list[int]) -> int:
-    """A rows per shrink program: `FMA_BLOCK_R` in mode 2, else 32 or 16, dividing every rank (callers check that 16
-    does)."""
-    if SHRINK_MODE == 2:
-        return FMA_BLOCK_R
+def shrink_mode(ranks: list[int]) -> int:
+    """`SHRINK_MODE`, or FMAs (2) where a rank is not a multiple of 16 (a ``tl.dot`` rank block would straddle two
+    adapters)."""
+    return SHRINK_MODE if all(r % 16 == 0 for r in ranks) else 2
+
+
+def rank_block(ranks: list[int], mode: int) -> int:
+    """A rows per shrink program, dividing every rank (callers check that 4 does): `FMA_BLOCK_R` (else 4) in mode 2,
+    else 32 or 16."""
+    if mode == 2:
+        return FMA_BLOCK_R if all(r % FMA_BLOCK_R == 0 for r in ranks) else 4
     return 32 if all(r % 32 == 0 for r in ranks) else 16
 
 
-def step_columns() -> int:
+def step_columns(mode: int) -> int:
     """Columns per step of the shrink."""
-    return FMA_BLOCK_K if SHRINK_MODE == 2 else BLOCK_K
+    return FMA_BLOCK_K if mode == 2 else BLOCK_K
 
 
-def shrink_layout(rows: int, width: int, ranks: list[int]) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_R, span, splits) of a shrink launch: column spans of whole steps, as many (up to `MAX_SPLITS`)
-    as bring the launch to about `TARGET_PROGRAMS` programs."""
-    m, r = block_m(rows), rank_block(ranks)
+def shrink_layout(rows: int, width: int, ranks: list[int]) -> tuple[int, int, int, int, int]:
+    """(mode, BLOCK_M, BLOCK_R, span, splits) of a shrink launch: column spans of whole steps, as many (up to
+    `MAX_SPLITS`) as bring the launch to about `TARGET_PROGRAMS` programs."""
+    mode = shrink_mode(ranks)
+    m, r = block_m(rows), rank_block(ranks, mode)
     tiles = triton.cdiv(rows, m) * (sum(ranks) // r)
-    columns = step_columns()
+    columns = step_columns(mode)
     steps = triton.cdiv(width, columns)
     splits = max(1, min(steps, MAX_SPLITS, TARGET_PROGRAMS // tiles))
     span = triton.cdiv(steps, splits) * columns
-    return m, r, span, triton.cdiv(width, span)
+    return mode, m, r, span, triton.cdiv(width, span)
 
 
 def shrink_rows(x: torch.Tensor, lora_a: list[torch.Tensor], t: torch.Tensor) -> None:
     """Fill ``t[M, Σ ranks]`` (fp32) with ``x @ A.T`` of each A side by side."""
     rows, width = x.shape
     ranks = [a.shape[0] for a in lora_a]
-    m, r, span, splits = shrink_layout(rows, width, ranks)
+    mode, m, r, span, splits = shrink_layout(rows, width, ranks)
     grid = (sum(ranks) // r, triton.cdiv(rows, m), splits)
     tiles = grid[0] * grid[1]
     partials = t.new_empty(tiles * splits * m * r) if splits > 1 else t
@@ -187,7 +194,7 @@ def shrink_rows(x: torch.Tensor, lora_a: list[torch.Tensor], t: torch.Tensor) ->
     rank0, rank1 = (ranks + [0, 0])[:2]
     _shrink_rows_kernel[grid](
         x, a0, a1, a2, t, partials, counters, rows, width, span, rank0, rank1, x.stride(0), t.stride(0),
-        BLOCK_M=m, BLOCK_R=r, BLOCK_K=step_columns(), SPLITS=splits, MODE=SHRINK_MODE, num_warps=WARPS,
+        BLOCK_M=m, BLOCK_R=r, BLOCK_K=step_columns(mode), SPLITS=splits, MODE=mode, num_warps=WARPS,
         num_stages=STAGES,
     )  # fmt: skip
 

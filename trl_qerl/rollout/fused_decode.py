@@ -45,7 +45,7 @@ from .fused_shrink import (
     shrink_reference,
     silu_mul_shrink,
 )
-from .lora_rows import lora_expand_add, lora_rows_applies, lora_shrink_rows, runs_triton
+from .lora_rows import MAX_RANK, lora_expand_add, lora_rows_applies, lora_shrink_rows, rank_supported, runs_triton
 
 
 __all__ = [
@@ -96,9 +96,10 @@ own reductions (how the step ran before; ``False`` is kept for benchmarks: `scri
 
 LORA_ROW_KERNELS = True
 """From `LORA_REDUCTION_ROWS` + 1 to `LORA_ROW_KERNELS_MAX` rows, on CUDA, a projection group's LoRA terms (one fp32
-adapter per projection, ranks multiples of 16) take two Triton launches (`lora_rows`: the shrink over every row, the
+adapter per projection, a rank `lora_rows.rank_supported` takes) take two Triton launches (`lora_rows`: the shrink over every row, the
 expand added to the base outputs) instead of fp32 cuBLAS products, which run on CUDA cores with split-K reductions and
-a launch per projection. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s ``+lora_cublas`` engines)."""
+a launch per projection; `FusedDecoder` logs one line where its adapters keep that path. ``False`` is kept for
+benchmarks (`scripts/bench_rollout.py`'s ``+lora_cublas`` engines)."""
 
 LORA_ROW_KERNELS_MAX = 128
 """Most rows `LORA_ROW_KERNELS` takes (decode batches; longer prefills keep cuBLAS)."""
@@ -190,6 +191,21 @@ def _lora_in_row_kernels(x: torch.Tensor, projections: Sequence[Projection], out
     terms = [p.lora[0] for p, _ in with_lora]
     bases = [out for _, out in with_lora]
     return lora_rows_applies(x, bases, [t.lora_a for t in terms], [t.lora_b for t in terms])
+
+
+def _lora_rows_refusal(spec: DecoderSpec) -> str | None:
+    """Why the first layer's LoRA terms would keep the cuBLAS path above `LORA_REDUCTION_ROWS` rows (None: they
+    would not, or there are none)."""
+    layer = spec.layers[0]
+    for projection in (*layer.qkv, layer.o, *layer.gate_up, layer.down):
+        if len(projection.lora) > 1:
+            return f"{len(projection.lora)} active adapters on a projection (it takes one)"
+        for term in projection.lora:
+            if not term.lora_a.dtype == term.lora_b.dtype == torch.float32:
+                return f"{term.lora_a.dtype} adapters (it takes fp32 masters)"
+            if not rank_supported(term.lora_a.shape[0]):
+                return f"rank {term.lora_a.shape[0]} (it takes multiples of 4 up to {MAX_RANK})"
+    return None
 
 
 def _add_lora_with_row_kernels(
@@ -452,6 +468,10 @@ class FusedDecoder:
         wanted = asked or (decode_attention == "auto" and _auto_takes_split_kv(device))
         self.split_kv = wanted and _split_kv_runs(spec, batch, device, asked=asked)
         self._decode_layer = _compiled_layer() if compile else decoder_layer
+        reason = _lora_rows_refusal(spec) if LORA_ROW_KERNELS and device.type == "cuda" and spec.layers else None
+        if reason is not None:
+            logger.info("decode steps of more than %d rows add LoRA through fp32 cuBLAS products, not lora_rows' "
+                        "kernels: %s", LORA_REDUCTION_ROWS, reason)  # fmt: skip
 
     def reset(self) -> None:
         for tensor in (*self.keys, *self.values):

@@ -33,6 +33,7 @@ __all__ = [
     "lora_expand_add",
     "lora_rows_applies",
     "lora_shrink_rows",
+    "rank_supported",
     "runs_triton",
     "shrink_reference",
 ]
@@ -42,11 +43,17 @@ MAX_RANK = 64
 """Largest rank the expand kernel takes (its ``[rows, rank]`` and ``[columns, rank]`` tiles live in registers)."""
 
 
+def rank_supported(rank: int) -> bool:
+    """Whether the kernels take adapters of this rank: a multiple of 4 (the shrink's smallest rank block; ranks that
+    are not multiples of 16 take its FMA mode) up to `MAX_RANK`."""
+    return rank % 4 == 0 and 0 < rank <= MAX_RANK
+
+
 def lora_rows_applies(
     x: torch.Tensor, bases: list[torch.Tensor], lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]
 ) -> bool:
     """Whether the ops take this group: ``x[M, K]`` bf16 or fp16 with a contiguous last dim; one to three projections,
-    each one fp32 adapter (``A[r, K]``, ``B[n, r]``, contiguous, r a multiple of 16 up to `MAX_RANK`) and a base
+    each one fp32 adapter (``A[r, K]``, ``B[n, r]``, contiguous, a rank `rank_supported` takes) and a base
     output ``[M, n]`` in ``x``'s dtype with a contiguous last dim; all on ``x``'s device."""
     if not (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
@@ -57,7 +64,7 @@ def lora_rows_applies(
         if not (
             a.dtype == b.dtype == torch.float32 and a.is_contiguous() and b.is_contiguous()
             and a.shape == (rank, x.shape[1]) and b.shape == (base.shape[-1], rank)
-            and rank % 16 == 0 and rank <= MAX_RANK
+            and rank_supported(rank)
             and base.dim() == 2 and base.shape[0] == x.shape[0] and base.stride(-1) == 1 and base.dtype == x.dtype
             and a.device == b.device == base.device == x.device
         ):  # fmt: skip
