@@ -22,16 +22,15 @@ import json
 
 import torch
 import torch.nn.functional as F
-from model_shapes import qwen25_config
+from model_shapes import linear_shapes, qwen25_config
 
 
 def groups(model: str) -> dict[str, tuple[int, list[int]]]:
     """``{group: (in_features, [out_features per projection])}`` of one decoder layer."""
-    config = qwen25_config(model)
-    hidden, inter = config.hidden_size, config.intermediate_size
-    kv = config.num_key_value_heads * (hidden // config.num_attention_heads)
-    return {"qkv": (hidden, [hidden, kv, kv]), "o": (hidden, [hidden]), "gate_up": (hidden, [inter, inter]),
-            "down": (inter, [hidden])}  # fmt: skip
+    shapes = linear_shapes(model)
+    (q, hidden), (kv, _), (gate_up, _) = shapes["q_proj"], shapes["kv_proj"], shapes["gate_up_proj"]
+    return {"qkv": (hidden, [q, kv, kv]), "o": (hidden, [shapes["o_proj"][0]]),
+            "gate_up": (hidden, [gate_up // 2] * 2), "down": (shapes["down_proj"][1], [shapes["down_proj"][0]])}  # fmt: skip
 
 
 def cublas_path(x, lora_a, lora_b, bases, scalings):

@@ -18,13 +18,8 @@ import torch
 from _sass import compiled_in_subprocess, cuobjdump
 
 from trl_qerl.rollout import fused_decode
-from trl_qerl.rollout.lora_rows import (
-    expand_add_reference,
-    lora_expand_add,
-    lora_rows_applies,
-    lora_shrink_rows,
-    shrink_reference,
-)
+from trl_qerl.rollout.fused_shrink import shrink_reference
+from trl_qerl.rollout.lora_rows import expand_add_reference, lora_expand_add, lora_rows_applies, lora_shrink_rows
 
 
 CUDA = torch.cuda.is_available()

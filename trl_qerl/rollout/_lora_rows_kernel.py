@@ -18,10 +18,9 @@ import triton
 import triton.language as tl
 
 from ..nvfp4.cuda_mma import arrival_counters
-from ._fused_shrink_kernel import _adapter_rows, _round, _store_splits
+from ._fused_shrink_kernel import _DTYPES, _adapter_args, _adapter_rows, _round, _store_splits
 
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 BLOCK_K = 64
 """Columns per step of the shrink (an fp32 ``[BLOCK_R, BLOCK_K]`` A tile and a ``[BLOCK_M, BLOCK_K]`` input tile)."""
 TARGET_PROGRAMS = 528
@@ -190,8 +189,7 @@ def shrink_rows(x: torch.Tensor, lora_a: list[torch.Tensor], t: torch.Tensor) ->
     tiles = grid[0] * grid[1]
     partials = t.new_empty(tiles * splits * m * r) if splits > 1 else t
     counters = arrival_counters(t.device, tiles) if splits > 1 else t
-    a0, a1, a2 = (list(lora_a) + [lora_a[0]] * 2)[:3]
-    rank0, rank1 = (ranks + [0, 0])[:2]
+    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     _shrink_rows_kernel[grid](
         x, a0, a1, a2, t, partials, counters, rows, width, span, rank0, rank1, x.stride(0), t.stride(0),
         BLOCK_M=m, BLOCK_R=r, BLOCK_K=step_columns(mode), SPLITS=splits, MODE=mode, num_warps=WARPS,

@@ -45,7 +45,7 @@ from .fused_shrink import (
     shrink_reference,
     silu_mul_shrink,
 )
-from .lora_rows import MAX_RANK, lora_expand_add, lora_rows_applies, lora_shrink_rows, rank_supported, runs_triton
+from .lora_rows import adapter_refusal, lora_expand_add, lora_rows_applies, lora_shrink_rows, runs_triton
 
 
 __all__ = [
@@ -95,11 +95,11 @@ own reductions (how the step ran before; ``False`` is kept for benchmarks: `scri
 
 
 LORA_ROW_KERNELS = True
-"""From `LORA_REDUCTION_ROWS` + 1 to `LORA_ROW_KERNELS_MAX` rows, on CUDA, a projection group's LoRA terms (one fp32
-adapter per projection, a rank `lora_rows.rank_supported` takes) take two Triton launches (`lora_rows`: the shrink over every row, the
-expand added to the base outputs) instead of fp32 cuBLAS products, which run on CUDA cores with split-K reductions and
-a launch per projection; `FusedDecoder` logs one line where its adapters keep that path. ``False`` is kept for
-benchmarks (`scripts/bench_rollout.py`'s ``+lora_cublas`` engines)."""
+"""From `LORA_REDUCTION_ROWS` + 1 to `LORA_ROW_KERNELS_MAX` rows, on CUDA, a projection group's LoRA terms (one
+adapter per projection that `lora_rows.adapter_refusal` passes: fp32, a rank it takes) take two Triton launches
+(`lora_rows`: the shrink over every row, the expand added to the base outputs) instead of fp32 cuBLAS products, which
+run on CUDA cores with split-K reductions and a launch per projection; `FusedDecoder` logs one line where its adapters
+keep that path. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s ``+lora_cublas`` engines)."""
 
 LORA_ROW_KERNELS_MAX = 128
 """Most rows `LORA_ROW_KERNELS` takes (decode batches; longer prefills keep cuBLAS)."""
@@ -201,10 +201,8 @@ def _lora_rows_refusal(spec: DecoderSpec) -> str | None:
         if len(projection.lora) > 1:
             return f"{len(projection.lora)} active adapters on a projection (it takes one)"
         for term in projection.lora:
-            if not term.lora_a.dtype == term.lora_b.dtype == torch.float32:
-                return f"{term.lora_a.dtype} adapters (it takes fp32 masters)"
-            if not rank_supported(term.lora_a.shape[0]):
-                return f"rank {term.lora_a.shape[0]} (it takes multiples of 4 up to {MAX_RANK})"
+            if (reason := adapter_refusal(term.lora_a, term.lora_b)) is not None:
+                return reason
     return None
 
 

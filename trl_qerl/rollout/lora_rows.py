@@ -29,13 +29,13 @@ from .fused_shrink import shrink_reference
 
 
 __all__ = [
+    "adapter_refusal",
     "expand_add_reference",
     "lora_expand_add",
     "lora_rows_applies",
     "lora_shrink_rows",
     "rank_supported",
     "runs_triton",
-    "shrink_reference",
 ]
 
 
@@ -49,11 +49,20 @@ def rank_supported(rank: int) -> bool:
     return rank % 4 == 0 and 0 < rank <= MAX_RANK
 
 
+def adapter_refusal(lora_a: torch.Tensor, lora_b: torch.Tensor) -> str | None:
+    """Why the kernels cannot take this adapter (None: they can, given shapes that match the group)."""
+    if not lora_a.dtype == lora_b.dtype == torch.float32:
+        return f"{lora_a.dtype} adapters (it takes fp32 masters)"
+    if not rank_supported(lora_a.shape[0]):
+        return f"rank {lora_a.shape[0]} (it takes multiples of 4 up to {MAX_RANK})"
+    return None
+
+
 def lora_rows_applies(
     x: torch.Tensor, bases: list[torch.Tensor], lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]
 ) -> bool:
     """Whether the ops take this group: ``x[M, K]`` bf16 or fp16 with a contiguous last dim; one to three projections,
-    each one fp32 adapter (``A[r, K]``, ``B[n, r]``, contiguous, a rank `rank_supported` takes) and a base
+    each one adapter `adapter_refusal` passes (``A[r, K]``, ``B[n, r]``, contiguous) and a base
     output ``[M, n]`` in ``x``'s dtype with a contiguous last dim; all on ``x``'s device."""
     if not (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
@@ -62,9 +71,8 @@ def lora_rows_applies(
     for base, a, b in zip(bases, lora_a, lora_b):
         rank = a.shape[0]
         if not (
-            a.dtype == b.dtype == torch.float32 and a.is_contiguous() and b.is_contiguous()
+            adapter_refusal(a, b) is None and a.is_contiguous() and b.is_contiguous()
             and a.shape == (rank, x.shape[1]) and b.shape == (base.shape[-1], rank)
-            and rank_supported(rank)
             and base.dim() == 2 and base.shape[0] == x.shape[0] and base.stride(-1) == 1 and base.dtype == x.dtype
             and a.device == b.device == base.device == x.device
         ):  # fmt: skip
@@ -72,9 +80,8 @@ def lora_rows_applies(
     return True
 
 
-_TRITON = (
-    triton_available()
-)  # once: `runs_triton` also runs while the decode layer compiles, and dynamo stops at importlib
+# Once: `runs_triton` also runs while the decode layer compiles, and dynamo stops at importlib.
+_TRITON = triton_available()
 
 
 def runs_triton(x: torch.Tensor) -> bool:
