@@ -129,7 +129,8 @@ def test_applies_only_to_what_the_kernels_read():
     assert not lora_rows_applies(x, bases, [lora_a[0][:, :32].contiguous()], lora_b)  # width mismatch
     assert not lora_rows_applies(x.float(), bases, lora_a, lora_b)  # 16-bit inputs
     wide = torch.randn(128, 128, device=DEVICE)
-    assert not lora_rows_applies(x, bases, [wide[:, :64]], [torch.randn(24, 128, device=DEVICE)])  # rank over 64
+    over_64 = [wide[:, :64].contiguous()], [torch.randn(24, 128, device=DEVICE)]  # contiguous: only the rank is wrong
+    assert not lora_rows_applies(x, bases, *over_64)  # rank over 64
 
 
 def test_the_step_takes_the_ops_only_above_the_epilogue_rows(monkeypatch):
