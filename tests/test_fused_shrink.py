@@ -358,10 +358,12 @@ def _samples_with_and_without(monkeypatch, arch, device, compile=False):
     torch.manual_seed(0)
     model = quantize_model(tiny_model(arch, dtype=torch.bfloat16).to(device))
     model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=4))).eval()
-    calls = []
+    # A dict set to the same keys, not a growing list: compiled, the recorded mutation is replayed on every step, and
+    # a list's new length would fail dynamo's guard and recompile each step (until the limit makes the step eager).
+    calls: dict[str, bool] = {}
     for name in ("rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"):
         original = getattr(fused_decode, name)
-        monkeypatch.setattr(fused_decode, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+        monkeypatch.setattr(fused_decode, name, lambda *a, _o=original, _n=name: calls.update({_n: True}) or _o(*a))
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     samples = {}
     for fused in (True, False):

@@ -5,6 +5,7 @@ the JSON keeps every measured step's length, and one extra step's training half 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,8 @@ def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
         "--batch", "4", "--prompt-tokens", "8", "--completion-tokens", "32", "--rollout-backend", "fast",
         "--steps", "3", "--eos-rate", "0.2", "--pad-to-multiple-of", "16", "--profile-train", "--json", str(out),
     ]  # fmt: skip
-    subprocess.run(command, check=True, cwd=SCRIPTS, capture_output=True, text=True, timeout=600)
+    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the GPU machine's run must take the CPU path too
+    subprocess.run(command, check=True, cwd=SCRIPTS, capture_output=True, text=True, timeout=600, env=cpu_only)
     row = json.loads(out.read_text())["results"][0]
     assert row["eos_rate"] == 0.2 and row["pad_to_multiple_of"] == 16
     lengths = [row["warmup"]["completions/mean_length"], *row["completion_length_each"]]
