@@ -105,7 +105,6 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+twiddle+alt_choices": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+shrink_settings": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+lora_cublas": dict(engine="fused", compile=True, **_TWIDDLE),
-           "fused+compile+split_kv+twiddle+lora_rows_expand": dict(engine="fused", compile=True, **_TWIDDLE),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -137,9 +136,7 @@ has the generator's default, on for bf16 models). ``+add_in_layer``: each layer'
 not by the next layer's input norm (`fused_decode.ADD_IN_NEXT_NORM` False while that engine compiles, captures and
 runs; the default since 2026-12-04). ``+lora_cublas``: above the epilogue's 16 rows, LoRA products as fp32 cuBLAS
 products and an add per projection, not `lora_rows`' two Triton launches per group (`fused_decode.LORA_ROW_KERNELS`
-False while that engine compiles, captures and runs). ``+lora_rows_expand``: above 16 rows, `lora_rows`' expand after
-every NVFP4 product, not in the product's epilogue where its kernel takes the terms (`fused_decode.LORA_ROWS_EPILOGUE`
-False while that engine compiles, captures and runs: the twentieth session's step)."""
+False while that engine compiles, captures and runs)."""
 
 
 def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
@@ -171,8 +168,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     graphs keep the launch), the shrink kernels' settings for the ``+norm_shrink_before`` and ``+shrink_settings``
     ones (read at each launch: captured graphs keep them), ``ADD_IN_NEXT_NORM = False`` for the ``+add_in_layer``
     ones (read when a layer compiles and at each uncaptured step), ``LORA_ROW_KERNELS = False`` for the ``+lora_cublas``
-    ones and ``LORA_ROWS_EPILOGUE = False`` for the ``+lora_rows_expand`` ones (both read when a layer compiles and at
-    each uncaptured step); else unchanged."""
+    ones (read when a layer compiles and at each uncaptured step); else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import decode_attention
 
@@ -192,8 +188,6 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm and not engine.endswith("+add_in_layer")
     row_kernels = fused_decode.LORA_ROW_KERNELS
     fused_decode.LORA_ROW_KERNELS = row_kernels and not engine.endswith("+lora_cublas")
-    rows_epilogue = fused_decode.LORA_ROWS_EPILOGUE
-    fused_decode.LORA_ROWS_EPILOGUE = rows_epilogue and not engine.endswith("+lora_rows_expand")
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS
@@ -208,7 +202,6 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink
         fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm
         fused_decode.LORA_ROW_KERNELS = row_kernels
-        fused_decode.LORA_ROWS_EPILOGUE = rows_epilogue
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
         if alternative:
             kernels.CHOOSER.choices.clear()

@@ -133,8 +133,9 @@ def test_applies_only_to_what_the_kernels_read():
     assert not lora_rows_applies(x, bases, *over_64)  # rank over 64
 
 
-def _tiny_nvfp4_layer():
-    """The first decoder layer of a tiny NVFP4 Qwen2 with rank-16 adapters on every projection (B random)."""
+def test_the_step_takes_the_ops_only_above_the_epilogue_rows(monkeypatch):
+    """Above `LORA_REDUCTION_ROWS` rows (where the ops run: here on CPU, as torch formulas) a projection group's LoRA
+    terms go through the two ops and give the cuBLAS path's outputs; at the limit, or switched off, they do not."""
     from _tiny import randomize_lora_b, tiny_model
 
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
@@ -143,85 +144,28 @@ def _tiny_nvfp4_layer():
 
     torch.manual_seed(0)
     model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16))
-    return read_decoder(randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=16)))).layers[0]
-
-
-def test_the_step_takes_the_ops_only_above_the_epilogue_rows(monkeypatch):
-    """Above `LORA_REDUCTION_ROWS` rows (where the ops run: here on CPU, as torch formulas) a projection group's LoRA
-    terms go through the two ops and give the cuBLAS path's outputs; at the limit, or switched off, they do not."""
-    layer = _tiny_nvfp4_layer()
+    layer = read_decoder(randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=16)))).layers[0]
     width = layer.qkv[0].packed.shape[1] * 2
     calls = []
     for name in ("lora_shrink_rows", "lora_expand_add"):
         original = getattr(fused_decode, name)
         monkeypatch.setattr(fused_decode, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
     monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
-    monkeypatch.setattr(fused_decode, "LORA_ROWS_EPILOGUE", False)  # the expand after every product
-    monkeypatch.setattr(fused_decode, "LORA_EPILOGUE", False)
     limit = fused_decode.LORA_REDUCTION_ROWS
     for rows, taken in ((limit, False), (limit + 1, True), (fused_decode.LORA_ROW_KERNELS_MAX + 1, False)):
         x = torch.randn(rows, width, dtype=torch.bfloat16)
         for group in (layer.qkv, layer.gate_up):
-            _check_against_the_cublas_path(monkeypatch, x, group, calls, taken)
-
-
-def _check_against_the_cublas_path(monkeypatch, x, group, calls, taken: bool) -> None:
-    """``project`` with the row kernels (recording into ``calls`` whether they ran) and without: the same outputs."""
-    ours = fused_decode.project(x, group)
-    assert bool(calls) == taken
-    calls.clear()
-    monkeypatch.setattr(fused_decode, "LORA_ROW_KERNELS", False)
-    theirs = fused_decode.project(x, group)
-    monkeypatch.setattr(fused_decode, "LORA_ROW_KERNELS", True)
-    assert not calls
-    for a, b in zip(ours, theirs):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
-
-
-def test_nvfp4_groups_above_the_epilogue_rows_take_the_product_op(monkeypatch):
-    """With `LORA_ROWS_EPILOGUE`, above `LORA_REDUCTION_ROWS` rows an NVFP4 group (q/k/v, gate/up, or o and down
-    alone) is one `nvfp4_lora_rows` op, whose outputs (here on CPU: the shrink's and the grouped product's reference
-    formulas) are the cuBLAS path's; groups with a dense projection, and steps at the limit, do not take it."""
-    layer = _tiny_nvfp4_layer()
-    width = layer.qkv[0].packed.shape[1] * 2
-    calls: dict[str, bool] = {}
-    original = fused_decode.nvfp4_lora_rows
-    monkeypatch.setattr(fused_decode, "nvfp4_lora_rows", lambda *a: calls.update(op=True) or original(*a))
-    monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
-    limit = fused_decode.LORA_REDUCTION_ROWS
-    for rows, taken in ((limit, False), (limit + 1, True), (40, True)):
-        x = torch.randn(rows, width, dtype=torch.bfloat16)
-        for group in (layer.qkv, layer.gate_up, (layer.o,)):
-            group_x = x[:, : group[0].packed.shape[1] * 2].contiguous()
-            _check_against_the_cublas_path(monkeypatch, group_x, group, calls, taken)
-    dense = fused_decode.Projection(out_features=8, weight=torch.randn(8, width, dtype=torch.bfloat16))
-    assert not fused_decode._lora_rows_in_product(
-        torch.randn(20, width, dtype=torch.bfloat16), (*layer.qkv[:2], dense)
-    )
-
-
-def test_nvfp4_lora_rows_op_passes_opcheck_and_takes_weights_without_adapters():
-    from trl_qerl.nvfp4.format import dequantize, quantize
-    from trl_qerl.rollout.lora_rows import nvfp4_lora_rows
-
-    generator = torch.Generator().manual_seed(4)
-    x = torch.randn(20, 128, generator=generator).to(DEVICE, torch.bfloat16)
-    weights = [
-        tuple(t.to(DEVICE) for t in quantize(torch.randn(n, 128, generator=generator) * 0.05)) for n in (48, 16)
-    ]
-    lora_a = [(torch.randn(16, 128, generator=generator) / 128**0.5).to(DEVICE), None]
-    lora_b = [(torch.randn(48, 16, generator=generator) * 0.1).to(DEVICE), None]
-    bias = [None, torch.randn(16, generator=generator).to(DEVICE, torch.bfloat16)]
-    packed, scale, gs = (list(t) for t in zip(*weights))
-    args = (x, packed, scale, gs, bias, lora_a, lora_b, [2.0, 0.0])
-    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(nvfp4_lora_rows, args, test_utils=utils)  # (the schema test cannot compare fp8 on CPU)
-    out = nvfp4_lora_rows(*args)
-    dense = [dequantize(*w, dtype=torch.float64) for w in weights]
-    q = x.double() @ dense[0].T + 2.0 * (x.double() @ lora_a[0].double().T) @ lora_b[0].double().T
-    k = x.double() @ dense[1].T + bias[1].double()
-    torch.testing.assert_close(out, torch.cat([q, k], dim=1).to(out.dtype), rtol=2e-2, atol=2e-2)
+            monkeypatch.setattr(fused_decode, "LORA_EPILOGUE", False)
+            with_ops = fused_decode.project(x, group)
+            assert bool(calls) == taken
+            calls.clear()
+            monkeypatch.setattr(fused_decode, "LORA_ROW_KERNELS", False)
+            with_cublas = fused_decode.project(x, group)
+            monkeypatch.setattr(fused_decode, "LORA_ROW_KERNELS", True)
+            assert not calls
+            for ours, theirs in zip(with_ops, with_cublas):
+                assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+                torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=1e-3)
 
 
 def test_the_decoder_names_adapters_the_ops_do_not_take():
@@ -240,8 +184,7 @@ def test_the_decoder_names_adapters_the_ops_do_not_take():
 
 
 def test_rollout_benchmark_engine_turns_the_ops_off_and_back_on():
-    """`bench_rollout.py`'s ``+lora_cublas`` engine: the cuBLAS path while it runs, the ops after; its
-    ``+lora_rows_expand`` engine: the expand after every product while it runs."""
+    """`bench_rollout.py`'s ``+lora_cublas`` engine: the cuBLAS path while it runs, the ops after."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from bench_rollout import ENGINES, engine_environment
 
@@ -249,19 +192,13 @@ def test_rollout_benchmark_engine_turns_the_ops_off_and_back_on():
     with engine_environment("fused+compile+split_kv+twiddle+lora_cublas"):
         assert not fused_decode.LORA_ROW_KERNELS
     assert fused_decode.LORA_ROW_KERNELS
-    assert ENGINES["fused+compile+split_kv+twiddle+lora_rows_expand"]["twiddled_decode"]
-    with engine_environment("fused+compile+split_kv+twiddle+lora_rows_expand"):
-        assert fused_decode.LORA_ROW_KERNELS and not fused_decode.LORA_ROWS_EPILOGUE
-    assert fused_decode.LORA_ROWS_EPILOGUE
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("in_product", [True, False], ids=["product_op", "expand"])
-def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch, in_product):
+def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch):
     """20 rows: a captured step compiled with the ops (conftest fails the test if it fell back to eager layers)
     samples the first tokens as the cuBLAS path does (greedy: a near-tie may flip later tokens), with close
-    log-probs; with `LORA_ROWS_EPILOGUE` every group of the NVFP4 model is one `nvfp4_lora_rows` op, without it
-    the shrink and expand ops run around the product."""
+    log-probs."""
     from _tiny import randomize_lora_b, tiny_model
 
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
@@ -271,12 +208,9 @@ def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch, in_
     torch.manual_seed(0)
     model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16).to("cuda"))
     model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=16))).eval()
-    # (a dict set to the same keys: a growing list would fail dynamo's guards and recompile every step)
-    calls: dict[str, bool] = {}
-    for name in ("lora_shrink_rows", "nvfp4_lora_rows"):
-        original = getattr(fused_decode, name)
-        monkeypatch.setattr(fused_decode, name, lambda *a, _o=original, _n=name: calls.update({_n: True}) or _o(*a))
-    monkeypatch.setattr(fused_decode, "LORA_ROWS_EPILOGUE", in_product)
+    calls = []
+    original = fused_decode.lora_shrink_rows
+    monkeypatch.setattr(fused_decode, "lora_shrink_rows", lambda *a: calls.append(1) or original(*a))
     prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(20)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     samples = {}
@@ -284,8 +218,7 @@ def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch, in_
         monkeypatch.setattr(fused_decode, "LORA_ROW_KERNELS", row_kernels)
         generator = StaticCacheGenerator(model, engine="fused", cuda_graph=True, compile=True)
         samples[row_kernels] = generator.sample(prompts, params, eos_token_ids=[], pad_token_id=0)
-        expected = {"nvfp4_lora_rows" if in_product else "lora_shrink_rows"} if row_kernels else set()
-        assert set(calls) == expected
+        assert bool(calls) == row_kernels
         calls.clear()
     ours, theirs = samples[True], samples[False]
     for a, b, a_lp, b_lp in zip(ours.completion_ids, theirs.completion_ids, ours.logprobs, theirs.logprobs):

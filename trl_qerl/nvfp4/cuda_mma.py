@@ -303,22 +303,10 @@ def lora_supported(x: torch.Tensor, weights: Sequence[Weight], lora: LoraInputs)
     return True
 
 
-TILE_LORA_FLOATS = 64
-"""Most fp32 values of B a thread of a tiled (or wgmma) kernel's epilogue holds for `lora_terms` (``rank x rows /
-threads``): more would spill registers."""
-
-
-def lora_fits(config, rank: int = 0) -> bool:
-    """Whether ``config``'s LoRA build has room for the terms. The decode kernel (`MMAConfig`): its K-split sums plus
-    the CTA's ``float terms[tokens][rows]`` in the static shared memory (any rank). The tiled kernels (`TileConfig`,
-    `cuda_wgmma.WgmmaConfig`, which need ``rank``): the epilogue's 16-bit tile and the terms behind it inside the
-    ring (``TileLayout::LORA_BYTES``), at most `TILE_LORA_FLOATS` of B per thread, and a rank in `LORA_RANKS`."""
-    if isinstance(config, MMAConfig):
-        return config.shared_memory_bytes + 4 * config.rows * config.tokens <= _SHARED_MEMORY_LIMIT
-    if rank not in LORA_RANKS or rank * config.rows > TILE_LORA_FLOATS * config.threads:
-        return False
-    terms_end = config.tokens * (config.rows + 8) * 2 + 4 * config.tokens * config.rows
-    return terms_end <= config.stages * config.stage_bytes
+def lora_fits(config: MMAConfig) -> bool:
+    """Whether ``config``'s LoRA build fits the static shared memory: its K-split sums plus the CTA's
+    ``float terms[tokens][rows]``."""
+    return config.shared_memory_bytes + 4 * config.rows * config.tokens <= _SHARED_MEMORY_LIMIT
 
 
 def _lora_terms(lora: LoraInputs | None) -> _LoraTerms:
@@ -356,13 +344,13 @@ def supports(x: torch.Tensor, weights: Sequence[Weight]) -> bool:
     return True
 
 
-def kernel(config, dtype: torch.dtype, device: torch.device, options: tuple[str, ...] = (), lora_rank: int = 0):
+def kernel(config, dtype: torch.dtype, device: torch.device, options: tuple[str, ...] = ()):
     """The compiled instance for ``device`` (raises `nvrtc.NVRTCError` if it cannot be built or loaded): a config's
-    kernel (anything with ``name_expression(dtype, lora_rank)``; an ``arch_specific`` attribute asks for the
-    ``sm_XYa`` target), or a name expression of the source. ``options`` are extra NVRTC flags, e.g. the source's
-    ``-DNVFP4_DEPTH=2`` switches (for benchmarks); ``lora_rank`` > 0: the build that adds LoRA terms."""
+    kernel (anything with ``name_expression(dtype)``; an ``arch_specific`` attribute asks for the ``sm_XYa``
+    target), or a name expression of the source. ``options`` are extra NVRTC flags, e.g. the source's
+    ``-DNVFP4_DEPTH=2`` switches (for benchmarks)."""
     index = nvrtc.device_index(device)
-    name = config if isinstance(config, str) else config.name_expression(dtype, lora_rank)
+    name = config if isinstance(config, str) else config.name_expression(dtype)
     arch_specific = getattr(config, "arch_specific", False)
     return nvrtc.CudaKernel.get(source(), name, index, tuple(options), arch_specific=arch_specific)
 
@@ -537,15 +525,9 @@ class TileConfig:
         epilogue = self.tokens * (self.rows + 8) * 2 if self.split_k == 1 else self.tokens * (self.rows + 4) * 4
         return max(self.stages * self.stage_bytes, epilogue)
 
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
-
-    def name_expression(self, dtype: torch.dtype, lora_rank: int = 0) -> str:
-        """The instance's name; ``lora_rank`` > 0: the build whose epilogue adds LoRA terms of that rank."""
+    def name_expression(self, dtype: torch.dtype) -> str:
         bf16 = "true" if dtype == torch.bfloat16 else "false"
-        rank = f", {lora_rank}" if lora_rank else ""
-        return f"nvfp4_tile_kernel<{self.m_tiles}, {self.n_tiles}, {self.warps}, {self.stages}, {bf16}{rank}>"
+        return f"nvfp4_tile_kernel<{self.m_tiles}, {self.n_tiles}, {self.warps}, {self.stages}, {bf16}>"
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
@@ -564,15 +546,13 @@ def tile_matmul(
     config: TileConfig,
     biases: Sequence[torch.Tensor | None] | None = None,
     out: torch.Tensor | None = None,
-    lora: LoraInputs | None = None,
 ) -> torch.Tensor:
     """`matmul` with the tiled kernel (plus, when ``config.split_k > 1``, one launch that adds the partial sums).
-    Inside `twiddle.twiddled_codes` the build reads the twiddled order (it decodes with `matmul`'s code). With
-    ``lora``, each output plus its adapter's term, as `matmul` adds them.
+    Inside `twiddle.twiddled_codes` the build reads the twiddled order (it decodes with `matmul`'s code).
 
-    Callers check `supports_tile` first (and, with ``lora``, `lora_supported` and `lora_fits`)."""
+    Callers check `supports_tile` first."""
     options = twiddle.TWIDDLED_BUILD if twiddle.active() else ()
-    return launch_tiled(x, weights, config, config.threads, biases, out, options=options, lora=lora)
+    return launch_tiled(x, weights, config, 32 * config.warps, biases, out, options=options)
 
 
 def launch_tiled(
@@ -584,13 +564,11 @@ def launch_tiled(
     out: torch.Tensor | None = None,
     extra_args: tuple = (),
     options: tuple[str, ...] = (),
-    lora: LoraInputs | None = None,
 ) -> torch.Tensor:
     """The launch of a tiled kernel (`TileConfig`, `cuda_wgmma.WgmmaConfig`: anything with ``rows``, ``tokens``,
     ``split_k``, ``shared_memory_bytes`` and a name expression) with ``threads`` per CTA: kernel arguments
-    ``(x, M, K, ldx, out, ldo, partial, segments, lora_terms, *extra_args)``, a CTA per (token tile, row tile, K
-    split), and, when K is split, the launch that adds the fp32 partial sums in split order. With ``lora`` the LoRA
-    build of the kernel adds the terms in its epilogue, or the reduction does where K is split."""
+    ``(x, M, K, ldx, out, ldo, partial, segments, *extra_args)``, a CTA per (token tile, row tile, K split), and,
+    when K is split, the launch that adds the fp32 partial sums in split order."""
     m, k = x.shape
     biases = list(biases) if biases is not None else [None] * len(weights)
     segments, tiles, total = segments_of(weights, biases, config.rows)
@@ -598,31 +576,27 @@ def launch_tiled(
         out = torch.empty(m, total, device=x.device, dtype=x.dtype)
     split = min(config.split_k, k // 128)
     partial = torch.empty(split, m, out.stride(0), device=x.device, dtype=torch.float32) if split > 1 else None
-    terms = _lora_terms(lora)
     args = [
         ctypes.c_void_p(x.data_ptr()), ctypes.c_int(m), ctypes.c_int(k), ctypes.c_int(x.stride(0)),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(out.stride(0)),
-        ctypes.c_void_p(partial.data_ptr() if partial is not None else None), segments, terms, *extra_args,
+        ctypes.c_void_p(partial.data_ptr() if partial is not None else None), segments, *extra_args,
     ]  # fmt: skip
-    rank = lora.rank if lora is not None else 0
-    build = kernel(config, x.dtype, x.device, options, lora_rank=rank if partial is None else 0)
+    build = kernel(config, x.dtype, x.device, options)
     grid = (-(-m // config.tokens), tiles, split)
     build.launch(grid, (threads, 1, 1), args, shared_memory=config.shared_memory_bytes)
     if partial is not None:
-        reduce = kernel(reduce_name(x.dtype, rank), x.dtype, x.device)
+        reduce = kernel(reduce_name(x.dtype), x.dtype, x.device)
         reduce_args = [
             ctypes.c_void_p(partial.data_ptr()), ctypes.c_int(split), ctypes.c_int(m), ctypes.c_int(total),
-            ctypes.c_int(out.stride(0)), ctypes.c_void_p(out.data_ptr()), segments, terms,
+            ctypes.c_int(out.stride(0)), ctypes.c_void_p(out.data_ptr()),
         ]  # fmt: skip
         reduce.launch((-(-m * total // _REDUCE_THREADS), 1, 1), (_REDUCE_THREADS, 1, 1), reduce_args)
     return out
 
 
-def reduce_name(dtype: torch.dtype, lora_rank: int = 0) -> str:
-    """Name expression of the split-K reduction kernel for ``dtype`` outputs (``lora_rank`` > 0: the build that adds
-    LoRA terms of that rank)."""
-    rank = f", {lora_rank}" if lora_rank else ""
-    return f"nvfp4_split_reduce_kernel<{'true' if dtype == torch.bfloat16 else 'false'}{rank}>"
+def reduce_name(dtype: torch.dtype) -> str:
+    """Name expression of the split-K reduction kernel for ``dtype`` outputs."""
+    return f"nvfp4_split_reduce_kernel<{'true' if dtype == torch.bfloat16 else 'false'}>"
 
 
 def tile_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import nvrtc
-from .cuda_mma import MAX_SEGMENTS, LoraInputs, Weight, launch_tiled, supports_tile
+from .cuda_mma import MAX_SEGMENTS, Weight, launch_tiled, supports_tile
 
 
 ROWS_PER_WARPGROUP_TILE = 64
@@ -72,11 +72,9 @@ class WgmmaConfig:
         epilogue = self.tokens * (self.rows + 8) * 2 if self.split_k == 1 else self.tokens * (self.rows + 4) * 4
         return max(self.stages * (self.stage_bytes + 8), epilogue) + 1024
 
-    def name_expression(self, dtype: torch.dtype, lora_rank: int = 0) -> str:
-        """The instance's name; ``lora_rank`` > 0: the build whose epilogue adds LoRA terms of that rank."""
+    def name_expression(self, dtype: torch.dtype) -> str:
         bf16 = "true" if dtype == torch.bfloat16 else "false"
-        rank = f", {lora_rank}" if lora_rank else ""
-        return f"nvfp4_wgmma_kernel<{self.warpgroups}, {self.m64_tiles}, {self.tokens}, {self.stages}, {bf16}{rank}>"
+        return f"nvfp4_wgmma_kernel<{self.warpgroups}, {self.m64_tiles}, {self.tokens}, {self.stages}, {bf16}>"
 
     def __str__(self) -> str:
         split = f" split{self.split_k}" if self.split_k > 1 else ""
@@ -124,13 +122,10 @@ def wgmma_matmul(
     biases: Sequence[torch.Tensor | None] | None = None,
     out: torch.Tensor | None = None,
     options: tuple[str, ...] = (),
-    lora: LoraInputs | None = None,
 ) -> torch.Tensor:
     """``[x @ W_0.T + b_0, x @ W_1.T + b_1, ...]`` side by side in one ``[M, sum N_i]`` tensor: one launch (plus,
     when ``config.split_k > 1``, one that adds the fp32 partial sums in split order). Callers check
-    `supports_wgmma` first (with ``lora``, also `cuda_mma.lora_supported` and `cuda_mma.lora_fits`); ``biases`` are
-    in ``x.dtype``; ``options``: extra NVRTC flags (benchmarks); ``lora``: each output plus its adapter's term, as
-    `cuda_mma.matmul` adds them."""
+    `supports_wgmma` first; ``biases`` are in ``x.dtype``; ``options``: extra NVRTC flags (benchmarks)."""
     limit = nvrtc.max_shared_memory_per_block(nvrtc.device_index(x.device))
     if config.shared_memory_bytes > limit:
         raise ValueError(
@@ -138,9 +133,7 @@ def wgmma_matmul(
             f"({limit}); use fewer stages (`wgmma_candidate_configs` fits them)"
         )
     maps = _tensor_maps(x, weights, config)
-    return launch_tiled(
-        x, weights, config, config.threads, biases, out, extra_args=(maps,), options=options, lora=lora
-    )
+    return launch_tiled(x, weights, config, config.threads, biases, out, extra_args=(maps,), options=options)
 
 
 SHAPES = ((2, 1, 64), (2, 2, 64), (1, 2, 64), (2, 1, 128), (2, 2, 128), (1, 2, 128), (2, 1, 256), (1, 1, 256))

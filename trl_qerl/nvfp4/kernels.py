@@ -980,22 +980,16 @@ def run(x, weight_packed, weight_scale, weight_global_scale, choice: Choice) -> 
     return out if out is not None else fused_matmul(x, weight_packed, weight_scale, weight_global_scale, choice)
 
 
-def _run_on_weights(
-    x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None], choice: Choice,
-    lora: cuda_mma.LoraInputs | None = None,
-):  # fmt: skip
+def _run_on_weights(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None], choice: Choice):
     """``cat([x @ W_i.T + b_i], dim=1)`` by a choice that takes a list of weights (one weight, or a q/k/v or gate/up
-    group in one launch): the CUDA kernels and `DequantChunks`; None for any other choice. ``lora``: the CUDA
-    kernels add these terms in their epilogue (callers check `takes_lora_terms`)."""
+    group in one launch): the CUDA kernels and `DequantChunks`; None for any other choice."""
     if isinstance(choice, MMAConfig):
-        return cuda_mma.matmul(x, weights, choice, biases, lora=lora)
+        return cuda_mma.matmul(x, weights, choice, biases)
     if isinstance(choice, TileConfig):
-        return cuda_mma.tile_matmul(x, weights, choice, biases, lora=lora)
+        return cuda_mma.tile_matmul(x, weights, choice, biases)
     twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
     if isinstance(choice, WgmmaConfig):
-        return cuda_wgmma.wgmma_matmul(x, weights, choice, biases, lora=lora)
-    if lora is not None:
-        raise ValueError(f"the NVFP4 kernel choice {choice} cannot add LoRA terms in an epilogue")
+        return cuda_wgmma.wgmma_matmul(x, weights, choice, biases)
     if isinstance(choice, DequantChunks):
         return dequantize_in_chunks(x, weights, biases, choice)
     return None
@@ -1082,13 +1076,21 @@ def grouped_linear_lora(
     biases: Sequence[torch.Tensor | None],
     lora: cuda_mma.LoraInputs,
 ) -> torch.Tensor:
-    """`grouped_linear` plus one LoRA term per weight (`lora_terms.add_lora_terms`). Where the chooser picks a CUDA
-    kernel whose epilogue takes the terms (`grouped_linear_lora_in_epilogue`) they are added there, one launch in
-    all; with any other choice they are added after the product (the same numbers up to the order of fp32 sums)."""
-    if mma_usable(x, weights) and not cuda_mma.lora_supported(x, weights, lora):
+    """`grouped_linear` plus one LoRA term per weight (`lora_terms.add_lora_terms`). Where the chooser picks the
+    decode kernel (decode sizes) it adds the terms in its epilogue, one launch in all; with any other choice the
+    terms are added after the product (the same numbers up to the order of fp32 sums)."""
+    usable = mma_usable(x, weights)
+    if usable and not cuda_mma.lora_supported(x, weights, lora):
         _note_lora_after_product(lora)
-    elif (out := grouped_linear_lora_in_epilogue(x, weights, biases, lora)) is not None:
-        return out
+    elif usable:
+        choice = None
+        try:
+            choice = CHOOSER.choose_with_lora(x, weights, lora.rank)
+            if isinstance(choice, MMAConfig) and cuda_mma.lora_fits(choice) and _applies(choice, x, weights, True):
+                bias = [b.to(x.dtype) if b is not None else None for b in biases]
+                return cuda_mma.matmul(x, weights, choice, bias, lora=lora)
+        except nvrtc.NVRTCError as error:
+            _cuda_kernel_failed(x, choice, error)
     if len(weights) == 1:
         out = eager_linear(x, *weights[0])
         out = out + biases[0].to(out.dtype) if biases[0] is not None else out
@@ -1096,36 +1098,6 @@ def grouped_linear_lora(
         out = grouped_linear(x, weights, biases)
     widths = [packed.shape[0] for packed, _, _ in weights]
     return add_lora_terms(out, widths, lora.hidden, list(lora.lora_b), list(lora.scaling))
-
-
-def grouped_linear_lora_in_epilogue(
-    x: torch.Tensor,
-    weights: Sequence[cuda_mma.Weight],
-    biases: Sequence[torch.Tensor | None],
-    lora: cuda_mma.LoraInputs,
-) -> torch.Tensor | None:
-    """`grouped_linear_lora` where the chooser's kernel for this launch adds the terms in its epilogue: the decode
-    kernel (`MMAConfig`), and the tiled and wgmma kernels (`TileConfig`, `WgmmaConfig`) where their LoRA build has
-    room (`cuda_mma.lora_fits`); None where it does not (the caller adds the terms its own way)."""
-    if not (mma_usable(x, weights) and cuda_mma.lora_supported(x, weights, lora)):
-        return None
-    choice = None
-    try:
-        choice = CHOOSER.choose_with_lora(x, weights, lora.rank)
-        if not (takes_lora_terms(choice, lora.rank) and _applies(choice, x, weights, True)):
-            return None
-        bias = [b.to(x.dtype) if b is not None else None for b in biases]
-        return _run_on_weights(x, weights, bias, choice, lora=lora)
-    except nvrtc.NVRTCError as error:
-        _cuda_kernel_failed(x, choice, error)
-        return None
-
-
-def takes_lora_terms(choice: Choice, rank: int) -> bool:
-    """Whether ``choice``'s launch can add LoRA terms of ``rank`` in its epilogue (`cuda_mma.lora_fits`)."""
-    if isinstance(choice, MMAConfig):
-        return cuda_mma.lora_fits(choice)
-    return isinstance(choice, (TileConfig, WgmmaConfig)) and cuda_mma.lora_fits(choice, rank)
 
 
 _LORA_NOTED: set[int] = set()
@@ -1282,7 +1254,6 @@ __all__ = [
     "chosen",
     "grouped_linear",
     "grouped_linear_lora",
-    "grouped_linear_lora_in_epilogue",
     "mma_usable",
     "dequantize_cuda",
     "device_path",
@@ -1294,6 +1265,5 @@ __all__ = [
     "guarded",
     "heuristic_config",
     "m_bucket",
-    "takes_lora_terms",
     "triton_path",
 ]

@@ -45,15 +45,7 @@ from .fused_shrink import (
     shrink_reference,
     silu_mul_shrink,
 )
-from .lora_rows import (
-    adapter_refusal,
-    adapters_apply,
-    lora_expand_add,
-    lora_rows_applies,
-    lora_shrink_rows,
-    nvfp4_lora_rows,
-    runs_triton,
-)
+from .lora_rows import adapter_refusal, lora_expand_add, lora_rows_applies, lora_shrink_rows, runs_triton
 
 
 __all__ = [
@@ -63,7 +55,6 @@ __all__ = [
     "FUSED_SHRINK_ROWS",
     "LORA_EPILOGUE",
     "LORA_ROW_KERNELS",
-    "LORA_ROWS_EPILOGUE",
     "FusedDecoder",
     "apply_rotary",
     "attention",
@@ -112,13 +103,6 @@ keep that path. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s `
 
 LORA_ROW_KERNELS_MAX = 128
 """Most rows `LORA_ROW_KERNELS` takes (decode batches; longer prefills keep cuBLAS)."""
-
-LORA_ROWS_EPILOGUE = True
-"""Where `LORA_ROW_KERNELS` applies to a group of NVFP4 projections, make the group as one op (`lora_rows.
-nvfp4_lora_rows`): the shrink, then the NVFP4 product, whose epilogue adds the terms where the chooser's kernel takes
-them (the decode kernel, and the tiled and wgmma kernels' LoRA builds), else the expand added to its columns in place.
-``False`` keeps the product and `lora_rows`' expand apart for every group (`scripts/bench_rollout.py`'s
-``+lora_rows_expand`` engines)."""
 
 
 FUSED_SHRINK = True
@@ -176,8 +160,6 @@ def project(
     ``hidden``: the shrinks ``x @ A.T`` side by side, made with ``x`` (`normed_input`, `activated_input`)."""
     if hidden is not None or _lora_in_epilogue(x, projections):
         return _project_with_lora_epilogue(x, projections, hidden)
-    if _lora_rows_in_product(x, projections):
-        return _project_with_lora_rows(x, projections)
     if all(p.is_nvfp4 for p in projections) and len(projections) > 1:
         fused = kernels_for(x.device).grouped(
             x, [p.packed for p in projections], [p.scale for p in projections],
@@ -209,30 +191,6 @@ def _lora_in_row_kernels(x: torch.Tensor, projections: Sequence[Projection], out
     terms = [p.lora[0] for p, _ in with_lora]
     bases = [out for _, out in with_lora]
     return lora_rows_applies(x, bases, [t.lora_a for t in terms], [t.lora_b for t in terms])
-
-
-def _lora_rows_in_product(x: torch.Tensor, projections: Sequence[Projection]) -> bool:
-    if not (LORA_ROWS_EPILOGUE and LORA_ROW_KERNELS and LORA_REDUCTION_ROWS < x.shape[0] <= LORA_ROW_KERNELS_MAX):
-        return False
-    if not runs_triton(x) or not all(p.is_nvfp4 and len(p.lora) <= 1 for p in projections):
-        return False
-    with_lora = [p for p in projections if p.lora]
-    if not with_lora:
-        return False
-    return adapters_apply(
-        x, [p.lora[0].lora_a for p in with_lora], [p.lora[0].lora_b for p in with_lora],
-        [p.out_features for p in with_lora],
-    )  # fmt: skip
-
-
-def _project_with_lora_rows(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Tensor]:
-    terms = [p.lora[0] if p.lora else None for p in projections]
-    fused = nvfp4_lora_rows(
-        x, [p.packed for p in projections], [p.scale for p in projections], [p.global_scale for p in projections],
-        [p.bias for p in projections], [t.lora_a if t is not None else None for t in terms],
-        [t.lora_b if t is not None else None for t in terms], [t.scaling if t is not None else 0.0 for t in terms],
-    )  # fmt: skip
-    return list(fused.split([p.out_features for p in projections], dim=-1))
 
 
 def _lora_rows_refusal(spec: DecoderSpec) -> str | None:
@@ -559,7 +517,6 @@ class FusedDecoder:
                 message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
                 logger.warning("compiling the fused decode step failed (%s: %s); running it eagerly",
                                type(error).__name__, message)  # fmt: skip
-                logger.debug("the compile error in full", exc_info=error)
                 self._decode_layer = decoder_layer
         return self._forward(decoder_layer, *args)
 

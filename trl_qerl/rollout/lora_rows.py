@@ -24,19 +24,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..nvfp4.dispatch import kernels_for
 from .decode_attention import triton_available
 from .fused_shrink import shrink_reference
 
 
 __all__ = [
     "adapter_refusal",
-    "adapters_apply",
     "expand_add_reference",
     "lora_expand_add",
     "lora_rows_applies",
     "lora_shrink_rows",
-    "nvfp4_lora_rows",
     "rank_supported",
     "runs_triton",
 ]
@@ -61,36 +58,26 @@ def adapter_refusal(lora_a: torch.Tensor, lora_b: torch.Tensor) -> str | None:
     return None
 
 
-def adapters_apply(x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], widths: list[int]) -> bool:
-    """Whether the ops take these adapters on ``x``: ``x[M, K]`` bf16 or fp16 with a contiguous last dim; one to
-    three projections of ``widths`` output features, each one adapter `adapter_refusal` passes (``A[r, K]``,
-    ``B[n, r]``, contiguous), on ``x``'s device."""
-    if not (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
-        return False
-    if not 1 <= len(lora_a) == len(lora_b) == len(widths) <= 3:
-        return False
-    for a, b, width in zip(lora_a, lora_b, widths):
-        rank = a.shape[0]
-        if not (
-            adapter_refusal(a, b) is None and a.is_contiguous() and b.is_contiguous()
-            and a.shape == (rank, x.shape[1]) and b.shape == (width, rank) and a.device == b.device == x.device
-        ):  # fmt: skip
-            return False
-    return True
-
-
 def lora_rows_applies(
     x: torch.Tensor, bases: list[torch.Tensor], lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]
 ) -> bool:
-    """`adapters_apply`, and a base output ``[M, n]`` per adapter in ``x``'s dtype with a contiguous last dim, on
-    ``x``'s device."""
-    for base in bases:
+    """Whether the ops take this group: ``x[M, K]`` bf16 or fp16 with a contiguous last dim; one to three projections,
+    each one adapter `adapter_refusal` passes (``A[r, K]``, ``B[n, r]``, contiguous) and a base
+    output ``[M, n]`` in ``x``'s dtype with a contiguous last dim; all on ``x``'s device."""
+    if not (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if not 1 <= len(lora_a) == len(lora_b) == len(bases) <= 3:
+        return False
+    for base, a, b in zip(bases, lora_a, lora_b):
+        rank = a.shape[0]
         if not (
-            base.dim() == 2 and base.shape[0] == x.shape[0] and base.stride(-1) == 1 and base.dtype == x.dtype
-            and base.device == x.device
+            adapter_refusal(a, b) is None and a.is_contiguous() and b.is_contiguous()
+            and a.shape == (rank, x.shape[1]) and b.shape == (base.shape[-1], rank)
+            and base.dim() == 2 and base.shape[0] == x.shape[0] and base.stride(-1) == 1 and base.dtype == x.dtype
+            and a.device == b.device == base.device == x.device
         ):  # fmt: skip
             return False
-    return adapters_apply(x, lora_a, lora_b, [base.shape[-1] for base in bases])
+    return True
 
 
 # Once: `runs_triton` also runs while the decode layer compiles, and dynamo stops at importlib.
@@ -145,45 +132,3 @@ def lora_expand_add(
 @lora_expand_add.register_fake
 def _(bases, t, lora_b, scalings):
     return [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
-
-
-@torch.library.custom_op("trl_qerl::nvfp4_lora_rows", mutates_args=())
-def nvfp4_lora_rows(
-    x: torch.Tensor,
-    weight_packed: list[torch.Tensor],
-    weight_scale: list[torch.Tensor],
-    weight_global_scale: list[torch.Tensor],
-    bias: list[torch.Tensor | None],
-    lora_a: list[torch.Tensor | None],
-    lora_b: list[torch.Tensor | None],
-    scaling: list[float],
-) -> torch.Tensor:
-    """NVFP4 projections that read the same ``x`` with their LoRA terms, side by side ``[M, Σ N_i]``: each
-    ``round(round(x @ W_i.T + b_i) + scaling_i * (x @ A_i.T) @ B_i.T)`` (weights without an adapter: None in
-    ``lora_a`` and ``lora_b``). The shrink is `lora_shrink_rows`; the terms go to the NVFP4 kernel's epilogue where
-    the chooser's kernel takes them (`kernels.grouped_linear_lora_in_epilogue`: the decode, tiled and wgmma kernels),
-    else `lora_expand_add`'s kernel adds them to the product's columns in place. The choice is made here, at run
-    time, where the chooser sees the real launch. Off CUDA: the reference (`NVFP4Kernels.grouped_lora`)."""
-    t = lora_shrink_rows(x, [a for a in lora_a if a is not None])
-    if not runs_triton(x):
-        return kernels_for(x.device).grouped_lora(
-            x, weight_packed, weight_scale, weight_global_scale, bias, t, lora_b, scaling
-        )
-    from ..nvfp4 import cuda_mma, kernels  # CUDA with Triton: the kernels import
-    from ._lora_rows_kernel import expand_add
-
-    weights = list(zip(weight_packed, weight_scale, weight_global_scale))
-    out = kernels.grouped_linear_lora_in_epilogue(x, weights, bias, cuda_mma.LoraInputs(t, lora_b, scaling))
-    if out is not None:
-        return out
-    out = kernels.grouped_linear(x, weights, bias)
-    columns = out.split([packed.shape[0] for packed in weight_packed], dim=1)
-    with_lora = [i for i, b in enumerate(lora_b) if b is not None]
-    bases = [columns[i] for i in with_lora]
-    expand_add(bases, t, [lora_b[i] for i in with_lora], [scaling[i] for i in with_lora], bases)  # in place
-    return out
-
-
-@nvfp4_lora_rows.register_fake
-def _(x, weight_packed, weight_scale, weight_global_scale, bias, lora_a, lora_b, scaling):
-    return x.new_empty(x.shape[0], sum(packed.shape[0] for packed in weight_packed))

@@ -888,8 +888,6 @@ struct TileLayout {
   static constexpr int STAGE = CODES + SCALES + X;
   static constexpr int OUT_STRIDE = ROWS + 8;  // 16-bit outputs per token row of the epilogue tile (padded)
   static constexpr int PARTIAL_STRIDE = ROWS + 4;  // fp32 partial sums per token row
-  static constexpr int TERMS = TOKENS * OUT_STRIDE * 2;  // LoRA builds: float terms[TOKENS][ROWS] after the tile
-  static constexpr int LORA_BYTES = TERMS + TOKENS * ROWS * 4;
 };
 
 // The epilogue of the tiled kernels. `output(e, r, token)` returns this thread's e-th output (e < COUNT; scaled,
@@ -897,13 +895,10 @@ struct TileLayout {
 // the caller waited for its copies and synchronised) so that every global store is 16 bytes wide and coalesced; with
 // `partial` (split-K) they are fp32 sums written to this split's slice [blockIdx.z][M][ldo] instead.
 // (`output` is a plain lambda: NVRTC 13.0 rejects generic lambdas passed to device functions as host functions.)
-// LORA_RANK > 0: the LoRA terms of the decode kernel (`LoraTerms`, the same numbers: the base rounded first, then the
-// sum) are made after the base tile, when the accumulators are dead, into shared memory behind it (`lora_terms`: B
-// read once per CTA) and added in place; split-K launches leave them to the reduction (`nvfp4_split_reduce_kernel`).
-template <int ROWS, int TOKENS, int THREADS, int COUNT, bool BF16, int LORA_RANK, typename Output>
+template <int ROWS, int TOKENS, int THREADS, int COUNT, bool BF16, typename Output>
 __device__ __forceinline__ void store_tile(unsigned char* smem, u16* __restrict__ out, int ldo,
-                                           float* __restrict__ partial, const Segments& seg, const LoraTerms& lora,
-                                           int s, int rows, int row0, int tok0, int M, Output output) {
+                                           float* __restrict__ partial, const Segments& seg, int s, int rows,
+                                           int row0, int tok0, int M, Output output) {
   using L = TileLayout<ROWS, TOKENS>;
   const int valid_rows = min(ROWS, rows - row0);
   if (partial == nullptr) {
@@ -913,18 +908,6 @@ __device__ __forceinline__ void store_tile(unsigned char* smem, u16* __restrict_
       int r, token;
       const float v = output(e, r, token);
       tile[token * L::OUT_STRIDE + r] = round_to_output<BF16>(v);
-    }
-    if constexpr (LORA_RANK > 0) {
-      if (pick(lora.b, s) != nullptr) {  // uniform over the CTA
-        float* terms = reinterpret_cast<float*>(smem + L::TERMS);
-        lora_terms<LORA_RANK, ROWS, TOKENS, THREADS>(*reinterpret_cast<float(*)[TOKENS][ROWS]>(terms), lora, s,
-                                                     rows, row0, tok0, M);
-        __syncthreads();  // the terms and the whole base tile are in
-        for (int e = threadIdx.x; e < TOKENS * ROWS; e += THREADS) {
-          u16& o = tile[(e / ROWS) * L::OUT_STRIDE + e % ROWS];
-          o = round_to_output<BF16>(input_to_float<BF16>(o) + terms[e]);
-        }
-      }
     }
     __syncthreads();
     u16* dst = out + seg.col_start[s] + row0;
@@ -958,11 +941,10 @@ __device__ __forceinline__ void store_tile(unsigned char* smem, u16* __restrict_
   }
 }
 
-template <int MT, int NT, int WARPS, int STAGES, bool BF16, int LORA_RANK = 0>
+template <int MT, int NT, int WARPS, int STAGES, bool BF16>
 __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __restrict__ x, int M, int K, int ldx,
                                                                 u16* __restrict__ out, int ldo,
-                                                                float* __restrict__ partial, Segments seg,
-                                                                LoraTerms lora) {
+                                                                float* __restrict__ partial, Segments seg) {
   constexpr int ROWS = 16 * MT * WARPS, TOKENS = 8 * NT, THREADS = 32 * WARPS;
   using L = TileLayout<ROWS, TOKENS>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1072,8 +1054,8 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
       bias_of[mt][h] = (bias != nullptr && row < rows) ? input_to_float<BF16>(bias[row]) : 0.0f;
     }
 
-  store_tile<ROWS, TOKENS, THREADS, MT * NT * 4, BF16, LORA_RANK>(
-      smem, out, ldo, partial, seg, lora, s, rows, row0, tok0, M, [&](int e, int& r, int& token) {
+  store_tile<ROWS, TOKENS, THREADS, MT * NT * 4, BF16>(
+      smem, out, ldo, partial, seg, s, rows, row0, tok0, M, [&](int e, int& r, int& token) {
         const int mt = e / (NT * 4), nt = (e / 4) % NT, i = e % 4;  // acc[mt][nt][i]
         r = warp_row + mt * 16 + g + (i >> 1) * 8;
         token = nt * 8 + 2 * t + (i & 1);
@@ -1082,32 +1064,14 @@ __global__ void __launch_bounds__(32 * WARPS) nvfp4_tile_kernel(const u16* __res
 }
 
 // out[m][n] = sum over splits of partial[split][m][n], in split order, rounded once (n < N, out row stride ldo;
-// partial rows are ldo wide too). LORA_RANK > 0: plus the LoRA term of column n's segment (`LoraTerms`; the sum
-// rounded first, as `store_tile` and the decode kernel do), one fp32 dot product of t's row and B's row per output.
-template <bool BF16, int LORA_RANK = 0>
+// partial rows are ldo wide too).
+template <bool BF16>
 __global__ void nvfp4_split_reduce_kernel(const float* __restrict__ partial, int splits, int M, int N, int ldo,
-                                          u16* __restrict__ out, Segments seg, LoraTerms lora) {
+                                          u16* __restrict__ out) {
   const u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= (u64)M * N) return;
   const u64 m = e / N, n = e % N;
   float sum = 0.0f;
   for (int z = 0; z < splits; ++z) sum += partial[((u64)z * M + m) * ldo + n];
-  if constexpr (LORA_RANK > 0) {
-    int s = 0;
-    #pragma unroll
-    for (int i = 1; i < MAX_SEGMENTS; ++i) s += (i < seg.count && (int)n >= seg.col_start[i]) ? 1 : 0;
-    const float* b = pick(lora.b, s);
-    if (b != nullptr) {
-      const float4* b4 = reinterpret_cast<const float4*>(b + (n - pick(seg.col_start, s)) * LORA_RANK);
-      const float4* t4 = reinterpret_cast<const float4*>(lora.t + m * lora.ld_t + pick(lora.t_col, s));
-      float dot = 0.0f;
-      #pragma unroll
-      for (int j = 0; j < LORA_RANK / 4; ++j) {
-        const float4 a = t4[j], w = b4[j];
-        dot = fmaf(a.x, w.x, fmaf(a.y, w.y, fmaf(a.z, w.z, fmaf(a.w, w.w, dot))));
-      }
-      sum = input_to_float<BF16>(round_to_output<BF16>(sum)) + pick(lora.scaling, s) * dot;
-    }
-  }
   out[m * ldo + n] = round_to_output<BF16>(sum);
 }

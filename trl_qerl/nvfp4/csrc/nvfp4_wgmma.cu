@@ -194,11 +194,10 @@ __device__ __forceinline__ void tensor_load_2d(u32 dst, const TensorMap* map, in
       ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
-template <int WG, int MW, int N, int STAGES, bool BF16, int LORA_RANK = 0>
+template <int WG, int MW, int N, int STAGES, bool BF16>
 __global__ void __launch_bounds__(128 * WG) nvfp4_wgmma_kernel(const u16* __restrict__ x, int M, int K, int ldx,
                                                                  u16* __restrict__ out, int ldo,
                                                                  float* __restrict__ partial, Segments seg,
-                                                                 LoraTerms lora,
                                                                  const __grid_constant__ TensorMaps maps) {
 #if NVFP4_WGMMA
   constexpr int ROWS = 64 * MW * WG, THREADS = 128 * WG;
@@ -341,8 +340,8 @@ __global__ void __launch_bounds__(128 * WG) nvfp4_wgmma_kernel(const u16* __rest
       const int row = row0 + warp_row + mw * 64 + h * 8;
       bias_of[mw][h] = (bias != nullptr && row < rows) ? input_to_float<BF16>(bias[row]) : 0.0f;
     }
-  store_tile<ROWS, N, THREADS, MW * N / 2, BF16, LORA_RANK>(
-      smem, out, ldo, partial, seg, lora, s, rows, row0, tok0, M, [&](int e, int& r, int& token) {
+  store_tile<ROWS, N, THREADS, MW * N / 2, BF16>(
+      smem, out, ldo, partial, seg, s, rows, row0, tok0, M, [&](int e, int& r, int& token) {
         const int mw = e / (N / 2), i = e % 4, j = (e % (N / 2)) / 4;  // acc[mw][4 j + i]: n8 column j
         r = warp_row + mw * 64 + (i >> 1) * 8;
         token = 8 * j + 2 * t + (i & 1);
