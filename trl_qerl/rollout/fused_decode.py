@@ -517,6 +517,9 @@ class FusedDecoder:
                 message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
                 logger.warning("compiling the fused decode step failed (%s: %s); running it eagerly",
                                type(error).__name__, message)  # fmt: skip
+                logger.debug(
+                    "the compile error in full (the line and the user frame dynamo stopped at)", exc_info=error
+                )
                 self._decode_layer = decoder_layer
         return self._forward(decoder_layer, *args)
 
