@@ -94,3 +94,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def record_calls(monkeypatch, module, names) -> dict[str, bool]:
+    """Wraps each function ``module.<name>`` so that a call sets its name as a key of the returned dict. Safe inside a
+    compiled step: dynamo replays the recorded mutation on every step, and setting the same keys keeps the dict's
+    length, where a growing list would fail dynamo's guard and recompile each step until the limit makes the step
+    eager (a test of the fused shrinks did, unseen until the conftest guard)."""
+    calls: dict[str, bool] = {}
+    for name in names:
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name: calls.update({_n: True}) or _o(*a))
+    return calls

@@ -349,7 +349,7 @@ def test_captured_compiled_step_with_the_fused_shrinks_on_cuda(monkeypatch, add_
 
 
 def _samples_with_and_without(monkeypatch, arch, device, compile=False):
-    from _tiny import randomize_lora_b, tiny_model
+    from _tiny import randomize_lora_b, record_calls, tiny_model
 
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
     from trl_qerl.quantizer import quantize_model
@@ -358,12 +358,7 @@ def _samples_with_and_without(monkeypatch, arch, device, compile=False):
     torch.manual_seed(0)
     model = quantize_model(tiny_model(arch, dtype=torch.bfloat16).to(device))
     model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=4))).eval()
-    # A dict set to the same keys, not a growing list: compiled, the recorded mutation is replayed on every step, and
-    # a list's new length would fail dynamo's guard and recompile each step (until the limit makes the step eager).
-    calls: dict[str, bool] = {}
-    for name in ("rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"):
-        original = getattr(fused_decode, name)
-        monkeypatch.setattr(fused_decode, name, lambda *a, _o=original, _n=name: calls.update({_n: True}) or _o(*a))
+    calls = record_calls(monkeypatch, fused_decode, ("rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"))
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     samples = {}
     for fused in (True, False):

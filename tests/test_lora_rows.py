@@ -136,7 +136,7 @@ def test_applies_only_to_what_the_kernels_read():
 def test_the_step_takes_the_ops_only_above_the_epilogue_rows(monkeypatch):
     """Above `LORA_REDUCTION_ROWS` rows (where the ops run: here on CPU, as torch formulas) a projection group's LoRA
     terms go through the two ops and give the cuBLAS path's outputs; at the limit, or switched off, they do not."""
-    from _tiny import randomize_lora_b, tiny_model
+    from _tiny import randomize_lora_b, record_calls, tiny_model
 
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
     from trl_qerl.quantizer import quantize_model
@@ -146,16 +146,13 @@ def test_the_step_takes_the_ops_only_above_the_epilogue_rows(monkeypatch):
     model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16))
     layer = read_decoder(randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=16)))).layers[0]
     width = layer.qkv[0].packed.shape[1] * 2
-    calls = []
-    for name in ("lora_shrink_rows", "lora_expand_add"):
-        original = getattr(fused_decode, name)
-        monkeypatch.setattr(fused_decode, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))
+    calls = record_calls(monkeypatch, fused_decode, ("lora_shrink_rows", "lora_expand_add"))
     monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
+    monkeypatch.setattr(fused_decode, "LORA_EPILOGUE", False)
     limit = fused_decode.LORA_REDUCTION_ROWS
     for rows, taken in ((limit, False), (limit + 1, True), (fused_decode.LORA_ROW_KERNELS_MAX + 1, False)):
         x = torch.randn(rows, width, dtype=torch.bfloat16)
         for group in (layer.qkv, layer.gate_up):
-            monkeypatch.setattr(fused_decode, "LORA_EPILOGUE", False)
             with_ops = fused_decode.project(x, group)
             assert bool(calls) == taken
             calls.clear()
@@ -199,7 +196,7 @@ def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch):
     """20 rows: a captured step compiled with the ops (conftest fails the test if it fell back to eager layers)
     samples the first tokens as the cuBLAS path does (greedy: a near-tie may flip later tokens), with close
     log-probs."""
-    from _tiny import randomize_lora_b, tiny_model
+    from _tiny import randomize_lora_b, record_calls, tiny_model
 
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
     from trl_qerl.quantizer import quantize_model
@@ -208,9 +205,7 @@ def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch):
     torch.manual_seed(0)
     model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16).to("cuda"))
     model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=16))).eval()
-    calls = []
-    original = fused_decode.lora_shrink_rows
-    monkeypatch.setattr(fused_decode, "lora_shrink_rows", lambda *a: calls.append(1) or original(*a))
+    calls = record_calls(monkeypatch, fused_decode, ("lora_shrink_rows",))  # (called inside the compiled step)
     prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(20)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     samples = {}
