@@ -105,6 +105,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+twiddle+alt_choices": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+shrink_settings": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+lora_cublas": dict(engine="fused", compile=True, **_TWIDDLE),
+           "fused+compile+split_kv+twiddle+shrink_beside": dict(engine="fused", compile=True, **_TWIDDLE),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -136,7 +137,9 @@ has the generator's default, on for bf16 models). ``+add_in_layer``: each layer'
 not by the next layer's input norm (`fused_decode.ADD_IN_NEXT_NORM` False while that engine compiles, captures and
 runs; the default since 2026-12-04). ``+lora_cublas``: above the epilogue's 16 rows, LoRA products as fp32 cuBLAS
 products and an add per projection, not `lora_rows`' two Triton launches per group (`fused_decode.LORA_ROW_KERNELS`
-False while that engine compiles, captures and runs)."""
+False while that engine compiles, captures and runs). ``+shrink_beside``: above the epilogue's 16 rows, each group's
+LoRA shrink on a second stream beside its base products (`fused_decode.LORA_SHRINK_BESIDE` True while that engine
+compiles, captures and runs)."""
 
 
 def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
@@ -168,7 +171,8 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     graphs keep the launch), the shrink kernels' settings for the ``+norm_shrink_before`` and ``+shrink_settings``
     ones (read at each launch: captured graphs keep them), ``ADD_IN_NEXT_NORM = False`` for the ``+add_in_layer``
     ones (read when a layer compiles and at each uncaptured step), ``LORA_ROW_KERNELS = False`` for the ``+lora_cublas``
-    ones (read when a layer compiles and at each uncaptured step); else unchanged."""
+    ones (read when a layer compiles and at each uncaptured step), ``LORA_SHRINK_BESIDE = True`` for the
+    ``+shrink_beside`` ones (the same); else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import decode_attention
 
@@ -188,6 +192,8 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm and not engine.endswith("+add_in_layer")
     row_kernels = fused_decode.LORA_ROW_KERNELS
     fused_decode.LORA_ROW_KERNELS = row_kernels and not engine.endswith("+lora_cublas")
+    beside = fused_decode.LORA_SHRINK_BESIDE
+    fused_decode.LORA_SHRINK_BESIDE = beside or engine.endswith("+shrink_beside")
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS
@@ -202,6 +208,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink
         fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm
         fused_decode.LORA_ROW_KERNELS = row_kernels
+        fused_decode.LORA_SHRINK_BESIDE = beside
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
         if alternative:
             kernels.CHOOSER.choices.clear()

@@ -106,3 +106,28 @@ def record_calls(monkeypatch, module, names) -> dict[str, bool]:
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name: calls.update({_n: True}) or _o(*a))
     return calls
+
+
+def fused_samples_with_and_without(monkeypatch, setting: str, recorded: str, device: str = "cuda", rows: int = 20):
+    """Greedy samples (6 tokens) of ``rows`` prompts from the fused engine, compiled (and captured on CUDA), on a tiny NVFP4
+    Qwen2 model with LoRA r16 (random B), with ``fused_decode.<setting>`` True and then False: ``{True: ..., False:
+    ...}``. Asserts that ``fused_decode.<recorded>`` was called (inside the compiled step) exactly when it was True."""
+    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+    from trl_qerl.quantizer import quantize_model
+    from trl_qerl.rollout import fused_decode
+    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+
+    torch.manual_seed(0)
+    model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16).to(device))
+    model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=16))).eval()
+    calls = record_calls(monkeypatch, fused_decode, (recorded,))
+    prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(rows)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    samples = {}
+    for on in (True, False):
+        monkeypatch.setattr(fused_decode, setting, on)
+        generator = StaticCacheGenerator(model, engine="fused", cuda_graph=device == "cuda", compile=True)
+        samples[on] = generator.sample(prompts, params, eos_token_ids=[], pad_token_id=0)
+        assert bool(calls) == on, f"{recorded} {'not ' if on else ''}called with {setting}={on}"
+        calls.clear()
+    return samples

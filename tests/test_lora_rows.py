@@ -196,25 +196,9 @@ def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch):
     """20 rows: a captured step compiled with the ops (conftest fails the test if it fell back to eager layers)
     samples the first tokens as the cuBLAS path does (greedy: a near-tie may flip later tokens), with close
     log-probs."""
-    from _tiny import randomize_lora_b, record_calls, tiny_model
+    from _tiny import fused_samples_with_and_without
 
-    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
-    from trl_qerl.quantizer import quantize_model
-    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
-
-    torch.manual_seed(0)
-    model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16).to("cuda"))
-    model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=16))).eval()
-    calls = record_calls(monkeypatch, fused_decode, ("lora_shrink_rows",))  # (called inside the compiled step)
-    prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(20)]
-    params = SamplingParams(max_new_tokens=6, temperature=0.0)
-    samples = {}
-    for row_kernels in (True, False):
-        monkeypatch.setattr(fused_decode, "LORA_ROW_KERNELS", row_kernels)
-        generator = StaticCacheGenerator(model, engine="fused", cuda_graph=True, compile=True)
-        samples[row_kernels] = generator.sample(prompts, params, eos_token_ids=[], pad_token_id=0)
-        assert bool(calls) == row_kernels
-        calls.clear()
+    samples = fused_samples_with_and_without(monkeypatch, "LORA_ROW_KERNELS", "lora_shrink_rows")
     ours, theirs = samples[True], samples[False]
     for a, b, a_lp, b_lp in zip(ours.completion_ids, theirs.completion_ids, ours.logprobs, theirs.logprobs):
         assert a[:3] == b[:3]

@@ -160,20 +160,21 @@ class _SplitK(ctypes.Structure):
     _fields_ = [("partial", ctypes.c_void_p), ("counters", ctypes.c_void_p)]
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+def arrival_counters(device: torch.device, count: int, lane: int = 0) -> torch.Tensor:
     """At least ``count`` int32 arrival counters on ``device``, zero between launches: kernels whose last program
-    (CTA) to arrive resets its counter share this one buffer per device (the decode kernel's ``SPLIT_K`` build,
-    `rollout._fused_shrink_kernel`). Made on first use, outside any graph capture (a capture is preceded by an eager
-    warm-up). Launches that use it run one after another on one stream, never concurrently. (CPU: Triton's
-    interpreter, in tests.)"""
+    (CTA) to arrive resets its counter share this one buffer per device and ``lane`` (the decode kernel's ``SPLIT_K``
+    build, `rollout._fused_shrink_kernel`). Made on first use, outside any graph capture (a capture is preceded by an
+    eager warm-up). Launches that use one lane's buffer run one after another on one stream, never concurrently: a
+    launch that may overlap others (on a second stream, `rollout.lora_beside`) takes a lane of its own. (CPU:
+    Triton's interpreter, in tests.)"""
     device = torch.device("cuda", nvrtc.device_index(device)) if device.type == "cuda" else device
-    counters = _COUNTERS.get(device)
+    counters = _COUNTERS.get((device, lane))
     if counters is None or counters.numel() < count:
         counters = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
+        _COUNTERS[(device, lane)] = counters
     return counters
 
 

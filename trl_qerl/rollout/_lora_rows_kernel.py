@@ -180,15 +180,16 @@ def shrink_layout(rows: int, width: int, ranks: list[int]) -> tuple[int, int, in
     return mode, m, r, span, triton.cdiv(width, span)
 
 
-def shrink_rows(x: torch.Tensor, lora_a: list[torch.Tensor], t: torch.Tensor) -> None:
-    """Fill ``t[M, Σ ranks]`` (fp32) with ``x @ A.T`` of each A side by side."""
+def shrink_rows(x: torch.Tensor, lora_a: list[torch.Tensor], t: torch.Tensor, lane: int = 0) -> None:
+    """Fill ``t[M, Σ ranks]`` (fp32) with ``x @ A.T`` of each A side by side. ``lane``: the arrival counters'
+    (`arrival_counters`; a launch that may overlap other launches takes a lane of its own)."""
     rows, width = x.shape
     ranks = [a.shape[0] for a in lora_a]
     mode, m, r, span, splits = shrink_layout(rows, width, ranks)
     grid = (sum(ranks) // r, triton.cdiv(rows, m), splits)
     tiles = grid[0] * grid[1]
     partials = t.new_empty(tiles * splits * m * r) if splits > 1 else t
-    counters = arrival_counters(t.device, tiles) if splits > 1 else t
+    counters = arrival_counters(t.device, tiles, lane) if splits > 1 else t
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     _shrink_rows_kernel[grid](
         x, a0, a1, a2, t, partials, counters, rows, width, span, rank0, rank1, x.stride(0), t.stride(0),

@@ -45,7 +45,15 @@ from .fused_shrink import (
     shrink_reference,
     silu_mul_shrink,
 )
-from .lora_rows import adapter_refusal, lora_expand_add, lora_rows_applies, lora_shrink_rows, runs_triton
+from .lora_beside import base_products, products_lora_beside
+from .lora_rows import (
+    adapter_refusal,
+    adapters_apply,
+    lora_expand_add,
+    lora_rows_applies,
+    lora_shrink_rows,
+    runs_triton,
+)
 
 
 __all__ = [
@@ -55,6 +63,7 @@ __all__ = [
     "FUSED_SHRINK_ROWS",
     "LORA_EPILOGUE",
     "LORA_ROW_KERNELS",
+    "LORA_SHRINK_BESIDE",
     "FusedDecoder",
     "apply_rotary",
     "attention",
@@ -103,6 +112,12 @@ keep that path. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s `
 
 LORA_ROW_KERNELS_MAX = 128
 """Most rows `LORA_ROW_KERNELS` takes (decode batches; longer prefills keep cuBLAS)."""
+
+LORA_SHRINK_BESIDE = False
+"""Where `LORA_ROW_KERNELS` takes a group whose every projection has an adapter, launch its shrink on a second stream
+beside its base products and join before the expand (`lora_beside.products_lora_beside`: the same kernels and
+numbers, one custom op per group). Built 2026-12-04 (twenty-second session) without a GPU: off until a GPU run
+measures the step (`scripts/bench_rollout.py`'s ``+shrink_beside`` engines turn it on)."""
 
 
 FUSED_SHRINK = True
@@ -160,14 +175,9 @@ def project(
     ``hidden``: the shrinks ``x @ A.T`` side by side, made with ``x`` (`normed_input`, `activated_input`)."""
     if hidden is not None or _lora_in_epilogue(x, projections):
         return _project_with_lora_epilogue(x, projections, hidden)
-    if all(p.is_nvfp4 for p in projections) and len(projections) > 1:
-        fused = kernels_for(x.device).grouped(
-            x, [p.packed for p in projections], [p.scale for p in projections],
-            [p.global_scale for p in projections], [p.bias for p in projections],
-        )  # fmt: skip
-        outputs = list(fused.split([p.out_features for p in projections], dim=-1))
-    else:
-        outputs = [_base_product(x, p) for p in projections]
+    if _lora_beside(x, projections):
+        return _project_with_lora_beside(x, projections)
+    outputs = base_products(x, *_product_tensors(projections))
     if not any(p.lora for p in projections):
         return outputs
     if torch.compiler.is_compiling() and x.shape[0] <= LORA_REDUCTION_ROWS:
@@ -191,6 +201,37 @@ def _lora_in_row_kernels(x: torch.Tensor, projections: Sequence[Projection], out
     terms = [p.lora[0] for p, _ in with_lora]
     bases = [out for _, out in with_lora]
     return lora_rows_applies(x, bases, [t.lora_a for t in terms], [t.lora_b for t in terms])
+
+
+def _product_tensors(projections: Sequence[Projection]) -> tuple[list[torch.Tensor | None], ...]:
+    """`lora_beside.base_products`' arguments after ``x``: packed, scale, global scale, weight, bias per projection."""
+    return (
+        [p.packed for p in projections], [p.scale for p in projections], [p.global_scale for p in projections],
+        [p.weight for p in projections], [p.bias for p in projections],
+    )  # fmt: skip
+
+
+def _lora_beside(x: torch.Tensor, projections: Sequence[Projection]) -> bool:
+    # Runs while dynamo traces the layer: plain loops and comparisons only (see `LORA_SHRINK_BESIDE`).
+    if not LORA_SHRINK_BESIDE or not LORA_ROW_KERNELS or not runs_triton(x):
+        return False
+    if not LORA_REDUCTION_ROWS < x.shape[0] <= LORA_ROW_KERNELS_MAX:
+        return False
+    for p in projections:
+        if len(p.lora) != 1 or (p.weight is not None and p.weight.dtype != x.dtype):
+            return False
+    return adapters_apply(
+        x, [p.out_features for p in projections], [p.lora[0].lora_a for p in projections],
+        [p.lora[0].lora_b for p in projections],
+    )  # fmt: skip
+
+
+def _project_with_lora_beside(x: torch.Tensor, projections: Sequence[Projection]) -> list[torch.Tensor]:
+    terms = [p.lora[0] for p in projections]
+    return products_lora_beside(
+        x, *_product_tensors(projections), [t.lora_a for t in terms], [t.lora_b for t in terms],
+        [t.scaling for t in terms],
+    )  # fmt: skip
 
 
 def _lora_rows_refusal(spec: DecoderSpec) -> str | None:
@@ -309,13 +350,6 @@ def _add_lora_as_reductions(x, projections, outputs):
             update = update + (hidden[:, None, :] * term.lora_b[None]).sum(-1) * term.scaling
         outputs[index] = (outputs[index] + update).to(x.dtype)
     return outputs
-
-
-def _base_product(x: torch.Tensor, projection: Projection) -> torch.Tensor:
-    if projection.is_nvfp4:
-        out = kernels_for(x.device).linear(x, projection.packed, projection.scale, projection.global_scale)
-        return out + projection.bias.to(out.dtype) if projection.bias is not None else out
-    return F.linear(x, projection.weight, projection.bias)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from .fused_shrink import shrink_reference
 
 __all__ = [
     "adapter_refusal",
+    "adapters_apply",
     "expand_add_reference",
     "lora_expand_add",
     "lora_rows_applies",
@@ -58,23 +59,35 @@ def adapter_refusal(lora_a: torch.Tensor, lora_b: torch.Tensor) -> str | None:
     return None
 
 
-def lora_rows_applies(
-    x: torch.Tensor, bases: list[torch.Tensor], lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]
-) -> bool:
-    """Whether the ops take this group: ``x[M, K]`` bf16 or fp16 with a contiguous last dim; one to three projections,
-    each one adapter `adapter_refusal` passes (``A[r, K]``, ``B[n, r]``, contiguous) and a base
-    output ``[M, n]`` in ``x``'s dtype with a contiguous last dim; all on ``x``'s device."""
+def adapters_apply(x: torch.Tensor, widths: list[int], lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]) -> bool:
+    """Whether the ops take ``x[M, K]`` (bf16 or fp16, contiguous last dim) with one to three projections of
+    ``widths`` output features, each with one adapter `adapter_refusal` passes (``A[r, K]``, ``B[n, r]``, contiguous),
+    all on ``x``'s device. (`lora_rows_applies` checks the base outputs too.)"""
     if not (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if not 1 <= len(lora_a) == len(lora_b) == len(bases) <= 3:
+    if not 1 <= len(lora_a) == len(lora_b) == len(widths) <= 3:
         return False
-    for base, a, b in zip(bases, lora_a, lora_b):
+    for width, a, b in zip(widths, lora_a, lora_b):
         rank = a.shape[0]
         if not (
             adapter_refusal(a, b) is None and a.is_contiguous() and b.is_contiguous()
-            and a.shape == (rank, x.shape[1]) and b.shape == (base.shape[-1], rank)
-            and base.dim() == 2 and base.shape[0] == x.shape[0] and base.stride(-1) == 1 and base.dtype == x.dtype
-            and a.device == b.device == base.device == x.device
+            and a.shape == (rank, x.shape[1]) and b.shape == (width, rank) and a.device == b.device == x.device
+        ):  # fmt: skip
+            return False
+    return True
+
+
+def lora_rows_applies(
+    x: torch.Tensor, bases: list[torch.Tensor], lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]
+) -> bool:
+    """`adapters_apply`, and each base output ``[M, n]`` in ``x``'s dtype with a contiguous last dim, on ``x``'s
+    device."""
+    if not adapters_apply(x, [base.shape[-1] for base in bases], lora_a, lora_b):
+        return False
+    for base in bases:  # a loop, not all(...): this runs while dynamo traces the decode layer
+        if not (
+            base.dim() == 2 and base.shape[0] == x.shape[0] and base.stride(-1) == 1 and base.dtype == x.dtype
+            and base.device == x.device
         ):  # fmt: skip
             return False
     return True
