@@ -233,6 +233,20 @@ def test_rollout_benchmark_engine_turns_it_on_and_back_off():
     assert fused_decode.LORA_SHRINK_BESIDE == shipped
 
 
+def test_benchmark_paths_agree_on_the_tiny_shape():
+    """`bench_lora_beside.py`'s three paths on every group of the CPU-sized shape, both arms: the products' shapes,
+    and beside equal to serial bit for bit (what its ``largest gap`` column reports on the GPU)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_lora_beside import groups, largest_gap, layer_arguments, run_path
+
+    for name, (width, outs, bias) in groups("tiny").items():
+        for nvfp4 in (True, False):
+            arguments = layer_arguments(width, outs, bias, nvfp4, rank=8, device=DEVICE)
+            x = torch.randn(20, width, device=DEVICE, dtype=torch.bfloat16)
+            assert [tuple(p.shape) for p in run_path("products", x, arguments)] == [(20, n) for n in outs], name
+            assert largest_gap(x, arguments) == 0.0
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_captured_graph_replays_over_new_inputs_on_cuda():
     """Three groups in a row, each reading the last one's output (as a decode layer's groups do), captured once and
