@@ -106,6 +106,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+twiddle+shrink_settings": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+lora_cublas": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+shrink_beside": dict(engine="fused", compile=True, **_TWIDDLE),
+           "fused+compile+split_kv+twiddle+shrink_beside_all_rows": dict(engine="fused", compile=True, **_TWIDDLE),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -139,7 +140,8 @@ runs; the default since 2026-12-04). ``+lora_cublas``: above the epilogue's 16 r
 products and an add per projection, not `lora_rows`' two Triton launches per group (`fused_decode.LORA_ROW_KERNELS`
 False while that engine compiles, captures and runs). ``+shrink_beside``: above the epilogue's 16 rows, each group's
 LoRA shrink on a second stream beside its base products (`fused_decode.LORA_SHRINK_BESIDE` True while that engine
-compiles, captures and runs)."""
+compiles, captures and runs). ``+shrink_beside_all_rows``: the same at every row count up to the row kernels' limit,
+up to 16 rows in place of the norm shrinks and the NVFP4 epilogue (`fused_decode.LORA_BESIDE_MIN_ROWS` 1 too)."""
 
 
 def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
@@ -172,7 +174,8 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     ones (read at each launch: captured graphs keep them), ``ADD_IN_NEXT_NORM = False`` for the ``+add_in_layer``
     ones (read when a layer compiles and at each uncaptured step), ``LORA_ROW_KERNELS = False`` for the ``+lora_cublas``
     ones (read when a layer compiles and at each uncaptured step), ``LORA_SHRINK_BESIDE = True`` for the
-    ``+shrink_beside`` ones (the same); else unchanged."""
+    ``+shrink_beside`` ones and also ``LORA_BESIDE_MIN_ROWS = 1`` for the ``+shrink_beside_all_rows`` ones (the
+    same); else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import decode_attention
 
@@ -192,8 +195,10 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm and not engine.endswith("+add_in_layer")
     row_kernels = fused_decode.LORA_ROW_KERNELS
     fused_decode.LORA_ROW_KERNELS = row_kernels and not engine.endswith("+lora_cublas")
-    beside = fused_decode.LORA_SHRINK_BESIDE
-    fused_decode.LORA_SHRINK_BESIDE = beside or engine.endswith("+shrink_beside")
+    beside, beside_rows = fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS
+    all_rows = engine.endswith("+shrink_beside_all_rows")
+    fused_decode.LORA_SHRINK_BESIDE = beside or all_rows or engine.endswith("+shrink_beside")
+    fused_decode.LORA_BESIDE_MIN_ROWS = 1 if all_rows else beside_rows
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS
@@ -208,7 +213,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink
         fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm
         fused_decode.LORA_ROW_KERNELS = row_kernels
-        fused_decode.LORA_SHRINK_BESIDE = beside
+        fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS = beside, beside_rows
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
         if alternative:
             kernels.CHOOSER.choices.clear()

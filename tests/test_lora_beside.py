@@ -168,9 +168,10 @@ def test_the_gate_and_the_op_trace_in_one_graph(monkeypatch):
     assert calls
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["serial", "beside"])
-def test_the_decode_layer_traces_whole_above_the_epilogue_rows(monkeypatch, caplog, beside):
-    """The whole decode layer at 20 rows, the row kernels' path (here the ops' torch formulas), traced by dynamo in one
+@pytest.mark.parametrize("beside, rows", [(False, 20), (True, 20), (True, 8)], ids=["serial", "beside", "all_rows"])
+def test_the_decode_layer_traces_whole_above_the_epilogue_rows(monkeypatch, caplog, beside, rows):
+    """The whole decode layer at 20 rows, the row kernels' path (here the ops' torch formulas; and at 8 rows with
+    `LORA_BESIDE_MIN_ROWS` 1, the op in place of the norm shrinks and the epilogue), traced by dynamo in one
     graph (``fullgraph``, ``aot_eager``: no code generation, so it runs on CPU): no fallback to eager layers, and the
     greedy tokens of the eager step. CI's lowest-version run has the GPU image's torch (`Makefile`'s ``LOWEST_TORCH``),
     so this catches trace-time code that only its older dynamo rejects (a ``bool(list)`` in a gate does: the
@@ -187,10 +188,11 @@ def test_the_decode_layer_traces_whole_above_the_epilogue_rows(monkeypatch, capl
     calls = record_calls(monkeypatch, fused_decode, ("products_lora_beside", "lora_shrink_rows"))
     monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
     monkeypatch.setattr(fused_decode, "LORA_SHRINK_BESIDE", beside)
+    monkeypatch.setattr(fused_decode, "LORA_BESIDE_MIN_ROWS", min(rows, fused_decode.LORA_BESIDE_MIN_ROWS))
     traced = lambda: torch.compile(fused_decode.decoder_layer, fullgraph=True, backend="aot_eager")  # noqa: E731
     monkeypatch.setattr(fused_decode, "_compiled_layer", traced)
     torch._dynamo.reset()
-    prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(fused_decode.LORA_REDUCTION_ROWS + 4)]
+    prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(rows)]
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     samples = []
     for compile in (True, False):
@@ -226,11 +228,36 @@ def test_rollout_benchmark_engine_turns_it_on_and_back_off():
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from bench_rollout import ENGINES, engine_environment
 
-    shipped = fused_decode.LORA_SHRINK_BESIDE
+    shipped = fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS
     assert ENGINES["fused+compile+split_kv+twiddle+shrink_beside"]["twiddled_decode"]
     with engine_environment("fused+compile+split_kv+twiddle+shrink_beside"):
-        assert fused_decode.LORA_SHRINK_BESIDE
-    assert fused_decode.LORA_SHRINK_BESIDE == shipped
+        assert fused_decode.LORA_SHRINK_BESIDE and fused_decode.LORA_BESIDE_MIN_ROWS == shipped[1]
+    with engine_environment("fused+compile+split_kv+twiddle+shrink_beside_all_rows"):
+        assert fused_decode.LORA_SHRINK_BESIDE and fused_decode.LORA_BESIDE_MIN_ROWS == 1
+    assert (fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS) == shipped
+
+
+def test_small_steps_take_it_in_place_of_the_norm_shrinks_when_asked(monkeypatch):
+    """`LORA_BESIDE_MIN_ROWS` 1 (the ``+shrink_beside_all_rows`` engines): at 8 rows the input norm makes no shrinks
+    and the q/k/v group goes through the op, not the NVFP4 epilogue; the outputs agree with the epilogue path's up to
+    the order of fp32 sums (one rounding step)."""
+    from _tiny import record_calls
+
+    layer = _tiny_layer()
+    x = torch.randn(8, layer.qkv[0].packed.shape[1] * 2, dtype=torch.bfloat16)
+    monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
+    monkeypatch.setattr(fused_decode, "LORA_SHRINK_BESIDE", True)
+    _, h, hidden = fused_decode.normed_input(x, layer.input_norm, layer.qkv)
+    assert hidden is not None  # the default rows: the norm makes the shrinks, the epilogue adds the terms
+    epilogue = fused_decode.project(h, layer.qkv, hidden)
+    monkeypatch.setattr(fused_decode, "LORA_BESIDE_MIN_ROWS", 1)
+    calls = record_calls(monkeypatch, fused_decode, ("products_lora_beside",))
+    _, h_beside, hidden = fused_decode.normed_input(x, layer.input_norm, layer.qkv)
+    assert hidden is None and torch.equal(h_beside, h)
+    beside = fused_decode.project(h, layer.qkv, hidden)
+    assert calls
+    for a, b in zip(beside, epilogue):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
 
 
 def test_benchmark_paths_agree_on_the_tiny_shape():
@@ -287,3 +314,17 @@ def test_captured_compiled_step_with_the_shrink_beside_on_cuda(monkeypatch):
     assert ours.completion_ids == theirs.completion_ids
     for a_lp, b_lp in zip(ours.logprobs, theirs.logprobs):
         torch.testing.assert_close(torch.tensor(a_lp), torch.tensor(b_lp), rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_captured_compiled_small_step_with_the_shrink_beside_on_cuda(monkeypatch):
+    """8 rows with `LORA_BESIDE_MIN_ROWS` 1: a captured compiled step with the op in place of the norm shrinks and the
+    NVFP4 epilogue samples the first tokens as the shipped step does (other sums: a near-tie may flip later tokens)."""
+    from _tiny import fused_samples_with_and_without
+
+    monkeypatch.setattr(fused_decode, "LORA_BESIDE_MIN_ROWS", 1)
+    samples = fused_samples_with_and_without(monkeypatch, "LORA_SHRINK_BESIDE", "products_lora_beside", rows=8)
+    ours, theirs = samples[True], samples[False]
+    for a, b, a_lp, b_lp in zip(ours.completion_ids, theirs.completion_ids, ours.logprobs, theirs.logprobs):
+        assert a[:3] == b[:3]
+        assert torch.allclose(torch.tensor(a_lp[:3]), torch.tensor(b_lp[:3]), atol=0.05)

@@ -119,6 +119,12 @@ beside its base products and join before the expand (`lora_beside.products_lora_
 numbers, one custom op per group). Built 2026-12-04 (twenty-second session) without a GPU: off until a GPU run
 measures the step (`scripts/bench_rollout.py`'s ``+shrink_beside`` engines turn it on)."""
 
+LORA_BESIDE_MIN_ROWS = LORA_REDUCTION_ROWS + 1
+"""Fewest rows `LORA_SHRINK_BESIDE` takes. Lower (a benchmark switch: ``+shrink_beside_all_rows`` engines set 1), the
+groups of smaller steps take it too, in place of the shrink made with the norm (`FUSED_SHRINK`) and the terms added in
+the NVFP4 epilogue (`LORA_EPILOGUE`): a plain norm, the products with the shrink beside them, and an expand launch. The
+question it asks: whether hiding a shrink beside the product pays for the expand launch it brings back."""
+
 
 FUSED_SHRINK = True
 """Where the LoRA terms of a projection group go to the NVFP4 epilogue (`LORA_EPILOGUE`) and a step has at most
@@ -173,10 +179,10 @@ def project(
     """``base(x) + Σ scaling·B(A(x))`` for projections that read the same ``x[M, K]``; one output per projection
     in ``x``'s dtype. NVFP4 bases run as one grouped launch (with their LoRA terms, see `LORA_EPILOGUE`).
     ``hidden``: the shrinks ``x @ A.T`` side by side, made with ``x`` (`normed_input`, `activated_input`)."""
+    if hidden is None and _lora_beside(x, projections):
+        return _project_with_lora_beside(x, projections)
     if hidden is not None or _lora_in_epilogue(x, projections):
         return _project_with_lora_epilogue(x, projections, hidden)
-    if _lora_beside(x, projections):
-        return _project_with_lora_beside(x, projections)
     outputs = base_products(x, *_product_tensors(projections))
     if not any(p.lora for p in projections):
         return outputs
@@ -215,7 +221,7 @@ def _lora_beside(x: torch.Tensor, projections: Sequence[Projection]) -> bool:
     # Runs while dynamo traces the layer: plain loops and comparisons only (see `LORA_SHRINK_BESIDE`).
     if not LORA_SHRINK_BESIDE or not LORA_ROW_KERNELS or not runs_triton(x):
         return False
-    if not LORA_REDUCTION_ROWS < x.shape[0] <= LORA_ROW_KERNELS_MAX:
+    if not LORA_BESIDE_MIN_ROWS <= x.shape[0] <= LORA_ROW_KERNELS_MAX:
         return False
     for p in projections:
         if len(p.lora) != 1 or (p.weight is not None and p.weight.dtype != x.dtype):
@@ -301,6 +307,8 @@ def _epilogue_shrinks(x: torch.Tensor, projections: Sequence[Projection]) -> lis
     """The A matrices of ``projections`` if their terms go to the NVFP4 epilogue and `fused_shrink` takes ``x``
     with them (else None: the input and the shrinks are made apart)."""
     if not FUSED_SHRINK or x.shape[0] > FUSED_SHRINK_ROWS or not _lora_in_epilogue(x, projections):
+        return None
+    if _lora_beside(x, projections):  # (the shrink goes beside the products instead)
         return None
     lora_a = [p.lora[0].lora_a for p in projections if p.lora]
     return lora_a if fused_shrink_applies(x, lora_a) else None
