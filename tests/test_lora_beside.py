@@ -223,6 +223,13 @@ def test_groups_with_a_projection_without_its_adapter_keep_the_two_launch_path(m
     assert calls == {"products_lora_beside": True}
 
 
+def test_the_decoder_names_groups_that_keep_the_serial_path():
+    """What `FusedDecoder` logs when the op is on: the groups where some projection has no adapter."""
+    assert fused_decode._groups_without_beside(_tiny_layer()) == ""
+    some = _tiny_layer(target_modules=("q_proj", "v_proj", "o_proj", "gate_proj"))
+    assert fused_decode._groups_without_beside(some) == "q/k/v, gate/up"
+
+
 def test_rollout_benchmark_engine_turns_it_on_and_back_off():
     """`bench_rollout.py`'s ``+shrink_beside`` engine: the op while it runs, the shipped setting after."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))

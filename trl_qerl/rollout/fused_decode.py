@@ -62,6 +62,7 @@ __all__ = [
     "FUSED_SHRINK",
     "FUSED_SHRINK_ROWS",
     "LORA_EPILOGUE",
+    "LORA_BESIDE_MIN_ROWS",
     "LORA_ROW_KERNELS",
     "LORA_SHRINK_BESIDE",
     "FusedDecoder",
@@ -238,6 +239,15 @@ def _project_with_lora_beside(x: torch.Tensor, projections: Sequence[Projection]
         x, *_product_tensors(projections), [t.lora_a for t in terms], [t.lora_b for t in terms],
         [t.scaling for t in terms],
     )  # fmt: skip
+
+
+def _groups_without_beside(layer: LayerSpec) -> str:
+    """The layer's projection groups with LoRA that `LORA_SHRINK_BESIDE` leaves on the serial path because some
+    projection of the group has no adapter, by name ("" if none)."""
+    groups = {"q/k/v": layer.qkv, "o": (layer.o,), "gate/up": layer.gate_up, "down": (layer.down,)}
+    return ", ".join(
+        name for name, group in groups.items() if any(p.lora for p in group) and not all(p.lora for p in group)
+    )
 
 
 def _lora_rows_refusal(spec: DecoderSpec) -> str | None:
@@ -512,6 +522,9 @@ class FusedDecoder:
         if reason is not None:
             logger.info("decode steps of more than %d rows add LoRA through fp32 cuBLAS products, not lora_rows' "
                         "kernels: %s", LORA_REDUCTION_ROWS, reason)  # fmt: skip
+        elif LORA_SHRINK_BESIDE and device.type == "cuda" and (serial := _groups_without_beside(spec.layers[0])):
+            logger.info("LoRA shrinks of %s run after the products, not beside them: some projection of the group "
+                        "has no adapter.", serial)  # fmt: skip
 
     def reset(self) -> None:
         for tensor in (*self.keys, *self.values):
