@@ -405,3 +405,21 @@ def test_compile_error_on_gpu_falls_back_to_the_reference(gpu_generation, monkey
         for _ in range(2):
             _check(torch.ops.trl_qerl.nvfp4_linear(x, *quantized), _reference(x, quantized))
     assert len(caplog.records) == 1 and "OutOfResources" in caplog.records[0].getMessage()
+
+
+def test_the_chooser_says_once_why_the_first_steps_of_a_new_shape_are_slow(caplog):
+    """Timing the candidates of keys the table lacks can take a minute or more (80 s at 3B on the H200): one info line
+    per process names the first key and the settings that keep or skip the timing, then a debug line per key."""
+    import logging
+
+    chooser = K.KernelChooser(autotune=True)
+    keys = ("NVIDIA H200|bfloat16|8|4608|3584|x3", "NVIDIA H200|bfloat16|8|3584|3584")
+    with caplog.at_level(logging.DEBUG, logger=K.logger.name):
+        for key in keys:
+            chooser._note_timing(key)
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and keys[0] in infos[0]
+    assert "NVFP4_KERNEL_CHOICES" in infos[0] and "NVFP4_AUTOTUNE=0" in infos[0]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG] == [
+        f"NVFP4: timing kernel candidates for {key}" for key in keys
+    ]

@@ -789,6 +789,7 @@ class KernelChooser:
         self.choices: dict[str, Choice] = {}
         self.timings: dict[str, dict[str, float]] = {}
         """Milliseconds of every candidate timed in this process, per key (for benchmarks and notes)."""
+        self._timing_noted = False
 
     @staticmethod
     def key(x: torch.Tensor, n: int, k: int, group: int = 1) -> str:
@@ -814,6 +815,7 @@ class KernelChooser:
         # (a CUDA-kernel choice that this call cannot use, e.g. misaligned rows, stays for the calls that can)
         if not self.autotune or torch.cuda.is_current_stream_capturing() or known is not None:
             return heuristic_config(m, n, k, num_sms, mma)
+        self._note_timing(key)
         timings = self.timings.setdefault(key, {})
         self.choices[key] = self._fastest(x, weight_packed, weight_scale, weight_global_scale, num_sms, mma, timings)
         return self.choices[key]
@@ -832,6 +834,7 @@ class KernelChooser:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if not self.autotune or torch.cuda.is_current_stream_capturing():
             return cuda_mma.heuristic_config(m, n, k, num_sms) if m <= 64 else SEPARATE
+        self._note_timing(key)
         rows = min(x.shape[0], 8192) if x.shape[0] > 64 else m_bucket(x.shape[0])
         probe = torch.randn(rows, k, device=x.device, dtype=x.dtype)
         configs = cuda_mma.candidate_configs(rows, n, k, num_sms) if rows <= MMA_MAX_ROWS else []
@@ -873,6 +876,7 @@ class KernelChooser:
         if twiddled_key not in self.choices:
             if not self.autotune or torch.cuda.is_current_stream_capturing():
                 return cuda_mma.heuristic_config(m, n, k, num_sms)
+            self._note_timing(twiddled_key)
             probe = torch.randn(m_bucket(m), k, device=x.device, dtype=x.dtype)
             configs = cuda_mma.candidate_configs(m_bucket(m), n, k, num_sms)
             calls = {config: functools.partial(cuda_mma.matmul, probe, weights, config) for config in configs}
@@ -897,6 +901,20 @@ class KernelChooser:
             if _applies(candidate, x, weights, mma)
         }
         return _fastest_call(calls, timings) or heuristic_config(x.shape[0], n, k, num_sms, mma)
+
+    def _note_timing(self, key: str) -> None:
+        """Before timing the candidates of a key the table does not hold: one info line per process (the first steps
+        of a model shape or GPU the shipped table lacks can spend a minute or more here, e.g. 80 s at 3B on the H200,
+        and nothing else would say why), then a debug line per key."""
+        if not self._timing_noted:
+            self._timing_noted = True
+            logger.info(
+                "NVFP4: timing kernel candidates for shapes the kernel table does not hold (first: %s). The first "
+                "steps of a new model shape or GPU spend up to a minute or two on this; later calls reuse the "
+                "choices. KernelChooser.save / NVFP4_KERNEL_CHOICES=<json> keep them across runs; NVFP4_AUTOTUNE=0 "
+                "skips timing (heuristic choices).", key,
+            )  # fmt: skip
+        logger.debug("NVFP4: timing kernel candidates for %s", key)
 
     def save(self, path: str) -> None:
         table = {key: _choice_to_json(c) for key, c in sorted(self.choices.items())}
