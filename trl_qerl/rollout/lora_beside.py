@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..nvfp4.dispatch import kernels_for
 from .fused_shrink import shrink_reference
-from .lora_rows import expand_add_reference, runs_triton
+from .lora_rows import expanded, runs_triton
 
 
 __all__ = ["SIDE_LANE", "base_products", "products_lora_beside", "side_stream"]
@@ -95,9 +95,9 @@ def products_lora_beside(
     each with one adapter (`lora_rows.adapters_apply`): `base_products`, with the shrink on the side stream meanwhile
     (see the module), then `lora_rows`' expand. New tensors, one per projection."""
     if not runs_triton(x):
-        bases = base_products(x, packed, scale, global_scale, weight, bias)
-        return expand_add_reference(bases, shrink_reference(x, lora_a), lora_b, scalings)
-    from ._lora_rows_kernel import expand_add, shrink_rows
+        return expanded(base_products(x, packed, scale, global_scale, weight, bias), shrink_reference(x, lora_a),
+                        lora_b, scalings)  # fmt: skip
+    from ._lora_rows_kernel import shrink_rows
 
     t = x.new_empty(x.shape[0], sum(a.shape[0] for a in lora_a), dtype=torch.float32)
     current, side = torch.cuda.current_stream(x.device), side_stream(x.device)
@@ -106,9 +106,7 @@ def products_lora_beside(
         shrink_rows(x, lora_a, t, lane=SIDE_LANE)
     bases = base_products(x, packed, scale, global_scale, weight, bias)
     current.wait_stream(side)  # join: nothing after this op runs before the shrink is done
-    outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
-    expand_add(bases, t, lora_b, scalings, outs)
-    return outs
+    return expanded(bases, t, lora_b, scalings)
 
 
 @products_lora_beside.register_fake

@@ -32,6 +32,7 @@ __all__ = [
     "adapter_refusal",
     "adapters_apply",
     "expand_add_reference",
+    "expanded",
     "lora_expand_add",
     "lora_rows_applies",
     "lora_shrink_rows",
@@ -128,11 +129,12 @@ def _(x, lora_a):
     return x.new_empty(x.shape[0], sum(a.shape[0] for a in lora_a), dtype=torch.float32)
 
 
-@torch.library.custom_op("trl_qerl::lora_expand_add", mutates_args=())
-def lora_expand_add(
+def expanded(
     bases: list[torch.Tensor], t: torch.Tensor, lora_b: list[torch.Tensor], scalings: list[float]
 ) -> list[torch.Tensor]:
-    """``base_i + scaling_i * t_i @ B_i.T`` rounded once to the base's dtype, new tensors (see the module)."""
+    """``base_i + scaling_i * t_i @ B_i.T`` rounded once to the base's dtype, new tensors (see the module): the
+    expand kernel where `runs_triton`, else `expand_add_reference`. The body of ``trl_qerl::lora_expand_add``, also
+    called inside `lora_beside.products_lora_beside`."""
     if not runs_triton(t):
         return expand_add_reference(bases, t, lora_b, scalings)
     from ._lora_rows_kernel import expand_add
@@ -140,6 +142,9 @@ def lora_expand_add(
     outs = [torch.empty(base.shape, dtype=base.dtype, device=base.device) for base in bases]
     expand_add(bases, t, lora_b, scalings, outs)
     return outs
+
+
+lora_expand_add = torch.library.custom_op("trl_qerl::lora_expand_add", expanded, mutates_args=())
 
 
 @lora_expand_add.register_fake
