@@ -108,27 +108,37 @@ def record_calls(monkeypatch, module, names) -> dict[str, bool]:
     return calls
 
 
-def fused_samples_with_and_without(monkeypatch, setting: str, recorded: str, device: str = "cuda", rows: int = 20):
-    """Greedy samples (6 tokens) of ``rows`` prompts from the fused engine, compiled (and captured on CUDA), on a tiny NVFP4
-    Qwen2 model with LoRA r16 (random B), with ``fused_decode.<setting>`` True and then False: ``{True: ..., False:
-    ...}``. Asserts that ``fused_decode.<recorded>`` was called (inside the compiled step) exactly when it was True."""
+def fused_samples_with_and_without(
+    monkeypatch, setting: str, recorded: tuple[str, ...], device: str = "cuda", compile: bool = True,
+    arch: str = "qwen2", rank: int = 16, prompts: list[list[int]] | None = None,
+):  # fmt: skip
+    """Greedy samples (6 tokens) from the fused engine (compiled and, on CUDA, captured if ``compile``) on a tiny NVFP4
+    ``arch`` model with LoRA of ``rank`` (random B), with ``fused_decode.<setting>`` True and then False. Asserts that
+    some function ``fused_decode.<name>`` of ``recorded`` was called (inside the compiled step) exactly when it was
+    True. Returns ``({True: samples, False: samples}, names called while True)``. ``prompts``: 20 short ones by
+    default."""
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
     from trl_qerl.quantizer import quantize_model
     from trl_qerl.rollout import fused_decode
     from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
 
-    torch._dynamo.reset()  # this test's recompiles (one per setting) must not meet earlier tests' at dynamo's limit
+    if compile:
+        torch._dynamo.reset()  # this test's recompiles (one per setting) must not meet earlier tests' at dynamo's limit
     torch.manual_seed(0)
-    model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16).to(device))
-    model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=16))).eval()
-    calls = record_calls(monkeypatch, fused_decode, (recorded,))
-    prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(rows)]
+    model = quantize_model(tiny_model(arch, dtype=torch.bfloat16).to(device))
+    model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=rank))).eval()
+    calls = record_calls(monkeypatch, fused_decode, recorded)
+    prompts = prompts if prompts is not None else [[5 + i % 7, 6, 7 + i % 3] for i in range(20)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
-    samples = {}
+    samples, called = {}, []
     for on in (True, False):
         monkeypatch.setattr(fused_decode, setting, on)
-        generator = StaticCacheGenerator(model, engine="fused", cuda_graph=device == "cuda", compile=True)
+        generator = StaticCacheGenerator(
+            model, engine="fused", cuda_graph=compile and device == "cuda", compile=compile
+        )
         samples[on] = generator.sample(prompts, params, eos_token_ids=[], pad_token_id=0)
         assert bool(calls) == on, f"{recorded} {'not ' if on else ''}called with {setting}={on}"
+        if on:
+            called = list(calls)
         calls.clear()
-    return samples
+    return samples, called

@@ -349,27 +349,11 @@ def test_captured_compiled_step_with_the_fused_shrinks_on_cuda(monkeypatch, add_
 
 
 def _samples_with_and_without(monkeypatch, arch, device, compile=False):
-    from _tiny import randomize_lora_b, record_calls, tiny_model
+    from _tiny import fused_samples_with_and_without
 
-    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
-    from trl_qerl.quantizer import quantize_model
-    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
-
-    torch.manual_seed(0)
-    model = quantize_model(tiny_model(arch, dtype=torch.bfloat16).to(device))
-    model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=4))).eval()
-    calls = record_calls(monkeypatch, fused_decode, ("rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink"))
-    params = SamplingParams(max_new_tokens=6, temperature=0.0)
-    samples = {}
-    for fused in (True, False):
-        monkeypatch.setattr(fused_decode, "FUSED_SHRINK", fused)
-        generator = StaticCacheGenerator(model, engine="fused", cuda_graph=compile, compile=compile)
-        samples[fused] = generator.sample([[5, 6, 7], [8, 9]], params, eos_token_ids=[], pad_token_id=0)
-        assert bool(calls) == fused
-        if fused:
-            recorded = list(calls)
-        calls.clear()
-    return samples, recorded
+    names = ("rms_norm_shrink", "add_rms_norm_shrink", "silu_mul_shrink")
+    return fused_samples_with_and_without(monkeypatch, "FUSED_SHRINK", names, device, compile, arch, rank=4,
+                                          prompts=[[5, 6, 7], [8, 9]])  # fmt: skip
 
 
 def test_steps_above_the_row_limit_leave_the_shrinks_to_the_projections():

@@ -316,7 +316,7 @@ def test_captured_compiled_step_with_the_shrink_beside_on_cuda(monkeypatch):
     what the two-launch path samples, with the same log-probs (the same kernels and sums)."""
     from _tiny import fused_samples_with_and_without
 
-    samples = fused_samples_with_and_without(monkeypatch, "LORA_SHRINK_BESIDE", "products_lora_beside")
+    samples, _ = fused_samples_with_and_without(monkeypatch, "LORA_SHRINK_BESIDE", ("products_lora_beside",))
     ours, theirs = samples[True], samples[False]
     assert ours.completion_ids == theirs.completion_ids
     for a_lp, b_lp in zip(ours.logprobs, theirs.logprobs):
@@ -330,7 +330,10 @@ def test_captured_compiled_small_step_with_the_shrink_beside_on_cuda(monkeypatch
     from _tiny import fused_samples_with_and_without
 
     monkeypatch.setattr(fused_decode, "LORA_BESIDE_MIN_ROWS", 1)
-    samples = fused_samples_with_and_without(monkeypatch, "LORA_SHRINK_BESIDE", "products_lora_beside", rows=8)
+    prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(8)]
+    samples, _ = fused_samples_with_and_without(
+        monkeypatch, "LORA_SHRINK_BESIDE", ("products_lora_beside",), prompts=prompts
+    )
     ours, theirs = samples[True], samples[False]
     for a, b, a_lp, b_lp in zip(ours.completion_ids, theirs.completion_ids, ours.logprobs, theirs.logprobs):
         assert a[:3] == b[:3]

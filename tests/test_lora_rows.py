@@ -198,7 +198,7 @@ def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch):
     log-probs."""
     from _tiny import fused_samples_with_and_without
 
-    samples = fused_samples_with_and_without(monkeypatch, "LORA_ROW_KERNELS", "lora_shrink_rows")
+    samples, _ = fused_samples_with_and_without(monkeypatch, "LORA_ROW_KERNELS", ("lora_shrink_rows",))
     ours, theirs = samples[True], samples[False]
     for a, b, a_lp, b_lp in zip(ours.completion_ids, theirs.completion_ids, ours.logprobs, theirs.logprobs):
         assert a[:3] == b[:3]
