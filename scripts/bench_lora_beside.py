@@ -22,19 +22,16 @@ import json
 from pathlib import Path
 
 import torch
-from model_shapes import linear_shapes, qwen25_config
+from bench_lora_rows import groups as lora_rows_groups
+from model_shapes import qwen25_config
 
 
 PATHS = ("products", "serial", "beside")
 
 
 def groups(model: str) -> dict[str, tuple[int, list[int], bool]]:
-    """``{group: (in_features, [out_features per projection], bias)}`` of one Qwen2.5 decoder layer."""
-    shapes = linear_shapes(model)
-    (q, hidden), (kv, _), (gate_up, _) = shapes["q_proj"], shapes["kv_proj"], shapes["gate_up_proj"]
-    return {"qkv": (hidden, [q, kv, kv], True), "o": (hidden, [shapes["o_proj"][0]], False),
-            "gate_up": (hidden, [gate_up // 2] * 2, False),
-            "down": (shapes["down_proj"][1], [shapes["down_proj"][0]], False)}  # fmt: skip
+    """`bench_lora_rows.groups` with whether the group has a bias (Qwen2's q/k/v)."""
+    return {name: (width, outs, name == "qkv") for name, (width, outs) in lora_rows_groups(model).items()}
 
 
 def layer_arguments(width: int, outs: list[int], bias: bool, nvfp4: bool, rank: int, device: str) -> list:
