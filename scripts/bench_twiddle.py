@@ -16,15 +16,25 @@ tensor of the model permuted in place and back), on random codes at the model's 
 tensor and with each direction one CUDA-graph replay (`twiddle.CAPTURE_PASSES`, the default), against a copy of the
 same bytes (``clone``) in the same run.
 
+``--wgmma``: instead, the Hopper wgmma kernel (64+ rows) on codes in the lane order (`twiddle.to_lane_order`, built
+with `twiddle.LANE_ORDER_BUILD`: a 4-byte read and the twiddled 9-instruction decode per row and two k16 steps,
+against ~2 x 11 instructions and a 16-byte read) against the shipped build on standard codes, every wgmma candidate
+of each projection group in both builds. Columns: ``bf16``, ``shipped`` (what the engine runs today: the chooser's
+kernel through the custom op, named), the best natural-order wgmma instance and the lane-order build of that instance
+and of its own best, with ratios, and whether the two builds' outputs are equal bit for bit (they multiply the same
+values in the same order). Weights stay warm in L2 between replays for the small groups, in every column alike.
+
 Usage (a CUDA GPU):
     python scripts/bench_twiddle.py --model qwen2.5-7b --rows 1 8 --rank 32 --json twiddle.json
     python scripts/bench_twiddle.py --model qwen2.5-7b --window
+    python scripts/bench_twiddle.py --model qwen2.5-7b --wgmma --rows 64 128 256 --json lane.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 from bench_lora_epilogue import layer_groups
@@ -44,6 +54,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank of the epilogue (0: no LoRA terms)")
     parser.add_argument("--window", action="store_true", help="time the decode window's permutation passes instead")
+    parser.add_argument("--wgmma", action="store_true", help="time the wgmma kernel on lane-ordered codes instead")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -51,15 +62,15 @@ def main() -> None:
     if args.window:
         time_window(config, args.model)
         return
+    if args.wgmma:
+        time_wgmma_lane_order(config, args)
+        return
     results = []
     print(f"Twiddled codes, {args.model} shapes, LoRA r{args.rank}, {torch.cuda.get_device_name()}")
     print("| group | M | instance | bf16 µs | standard µs | twiddled µs | best twiddled | best twiddled µs | "
           "twiddled / standard | standard / bf16 | twiddled / bf16 | rel. err |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, (rows, k) in layer_groups(config).items():
-        weights = [tuple(t.cuda() for t in quantize(torch.randn(n, k) * 0.02)) for n in rows]
-        twiddled = [(twiddle.twiddle(packed), scale, gs) for packed, scale, gs in weights]
-        dense = torch.randn(sum(rows), k, device="cuda", dtype=torch.bfloat16) * 0.02
+    for name, rows, k, weights, twiddled, dense in random_groups(config, twiddle.twiddle):
         lora_b = [torch.randn(n, args.rank, device="cuda") * 0.01 for n in rows] if args.rank else None
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -92,9 +103,73 @@ def main() -> None:
             print(f"| {name} | {m} | {choice} | {bf16_us:.1f} | {standard_us:.1f} | {row['twiddled_us']:.1f} | {best} | "
                   f"{best_us:.1f} | {best_us / standard_us:.2f} | {standard_us / bf16_us:.2f} | {best_us / bf16_us:.2f} | "
                   f"{row['relative_error']:.1e} |", flush=True)  # fmt: skip
+    write_json(args, results)
+
+
+def time_wgmma_lane_order(config, args) -> None:
+    """The ``--wgmma`` table (see the module)."""
+    from trl_qerl.nvfp4 import cuda_wgmma
+
+    results = []
+    print(f"The wgmma kernel on lane-ordered codes, {args.model} shapes, {torch.cuda.get_device_name()}")
+    print("| group | M | bf16 µs | shipped µs (kernel) | best natural wgmma | µs | lane order, same instance µs | "
+          "best lane order | µs | lane / natural (same instance) | best lane / shipped | best lane / bf16 | "
+          "equal bits |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, rows, k, weights, lane, dense in random_groups(config, twiddle.to_lane_order):
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            if not cuda_wgmma.supports_wgmma(x, weights):
+                print(f"| {name} | {m} | (the wgmma kernel does not take this shape: skipped) |")
+                continue
+
+            def run(codes, instance, options=()):
+                return lambda: cuda_wgmma.wgmma_matmul(x, codes, instance, options=options)
+
+            candidates = cuda_wgmma.wgmma_candidate_configs(m, sum(rows), k)
+            row = {"group": name, "m": m, "bf16_us": time_us(lambda: torch.nn.functional.linear(x, dense)),
+                   "shipped_us": time_us(shipped_call(x, weights)), "shipped_kernel": str(kernels.chosen(x, weights)),
+                   "natural_us": {str(c): time_us(run(weights, c)) for c in candidates},
+                   "lane_us": {str(c): time_us(run(lane, c, twiddle.LANE_ORDER_BUILD)) for c in candidates}}  # fmt: skip
+            natural = min(candidates, key=lambda c: row["natural_us"][str(c)])
+            best = min(candidates, key=lambda c: row["lane_us"][str(c)])
+            row["best_natural"], row["best_lane"] = str(natural), str(best)
+            row["equal_bits"] = all(
+                torch.equal(run(weights, c)(), run(lane, c, twiddle.LANE_ORDER_BUILD)()) for c in candidates
+            )
+            results.append(row)
+            natural_us, same_us = row["natural_us"][str(natural)], row["lane_us"][str(natural)]
+            best_us, shipped_us, bf16_us = row["lane_us"][str(best)], row["shipped_us"], row["bf16_us"]
+            print(f"| {name} | {m} | {bf16_us:.1f} | {shipped_us:.1f} ({row['shipped_kernel']}) | {natural} | "
+                  f"{natural_us:.1f} | {same_us:.1f} | {best} | {best_us:.1f} | {same_us / natural_us:.2f} | "
+                  f"{best_us / shipped_us:.2f} | {best_us / bf16_us:.2f} | {'yes' if row['equal_bits'] else 'NO'} |",
+                  flush=True)  # fmt: skip
+    write_json(args, results)
+
+
+def random_groups(config, reorder: Callable[[torch.Tensor], torch.Tensor]):
+    """Per projection group of a layer of ``config``: (name, rows of each weight, K, random NVFP4 weights on the GPU,
+    the same weights with their codes passed through ``reorder``, a bf16 weight of the group's fused shape)."""
+    for name, (rows, k) in layer_groups(config).items():
+        weights = [tuple(t.cuda() for t in quantize(torch.randn(n, k) * 0.02)) for n in rows]
+        reordered = [(reorder(packed), scale, gs) for packed, scale, gs in weights]
+        dense = torch.randn(sum(rows), k, device="cuda", dtype=torch.bfloat16) * 0.02
+        yield name, rows, k, weights, reordered, dense
+
+
+def write_json(args, results: list[dict]) -> None:
+    """The rows to ``args.json`` (if given), with the arguments and the device."""
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": results}, handle, indent=1)
+
+
+def shipped_call(x: torch.Tensor, weights: list) -> Callable[[], torch.Tensor]:
+    """The product as the engine calls it today: the custom op, whose kernel the chooser picks."""
+    if len(weights) == 1:
+        return lambda: torch.ops.trl_qerl.nvfp4_linear(x, *weights[0])
+    packed, scales, global_scales = (list(t) for t in zip(*weights))
+    return lambda: torch.ops.trl_qerl.nvfp4_linear_grouped(x, packed, scales, global_scales, [None] * len(weights))
 
 
 def median_ms(run, repeats: int = 5) -> float:

@@ -3,7 +3,8 @@ that leaves every instance identical changes no timing, so the numbers measured 
 Triton's compiler and the cuobjdump Triton bundles; no GPU).
 
 ``--kernels cuda-mma`` (default): the CUDA decode kernel's instances, 1-2 m tiles x 1-2 n tiles x 2/4/8 K warps, plain
-and LoRA builds (ranks 8, 32, 128), bf16 and fp16, sm_80 and sm_90. ``--kernels split-kv``: the split-KV decode
+and LoRA builds (ranks 8, 32, 128), bf16 and fp16, sm_80 and sm_90. ``--kernels wgmma``: the Hopper wgmma kernel's
+instances (every candidate shape, 3-6 stages, bf16 and fp16, sm_90a). ``--kernels split-kv``: the split-KV decode
 attention's Triton kernels (`rollout._split_kv_kernel`) at 7B decode shapes for sm_90 (bf16 merge; partials for a bf16
 and an fp32 model), compared by opcodes (kernel parameters added or reordered change operands, not instructions),
 with registers and stack; a kernel only the working tree has is listed with its resources. ``--kernels fused-shrink``:
@@ -13,6 +14,7 @@ the same way. Exit status 1 if any instance differs.
 
 Usage:
     python scripts/compare_sass.py --against 258ccad
+    python scripts/compare_sass.py --kernels wgmma --against HEAD
     python scripts/compare_sass.py --kernels split-kv --against 025d468
     python scripts/compare_sass.py --kernels fused-shrink --against HEAD
 """
@@ -53,24 +55,35 @@ def instructions(cubin: bytes, folder: Path) -> list[str]:
             for line in sass_of(cubin, folder).splitlines() if ";" in line]  # fmt: skip
 
 
-def compare_cuda_mma(revision: str) -> int:
-    """Differing instances of the CUDA decode kernel."""
+def _compare_instances(revision: str, builds: list[tuple[str, str]]) -> int:
+    """Differing builds (name expression, arch) between ``revision``'s source and the working tree's."""
     before, now = source_at(revision), cuda_mma.source()
     folder = Path(tempfile.mkdtemp())
-    configs = [cuda_mma.MMAConfig(m, n, k) for m in (1, 2) for n in (1, 2) for k in (2, 4, 8)]
-    differing = total = 0
-    for config in configs:
-        for rank in (0, 8, 32, 128):
-            for dtype in (torch.bfloat16, torch.float16):
-                for arch in ("sm_80", "sm_90"):
-                    name = config.name_expression(dtype, lora_rank=rank)
-                    a, b = (instructions(nvrtc.compile_cubin(src, name, arch)[0], folder) for src in (before, now))
-                    total += 1
-                    if a != b:
-                        differing += 1
-                        print(f"differs: {name} {arch} ({len(a)} vs {len(b)} instructions)")
-    print(f"{total - differing} of {total} instances identical to {revision}")
+    differing = 0
+    for name, arch in builds:
+        a, b = (instructions(nvrtc.compile_cubin(src, name, arch)[0], folder) for src in (before, now))
+        if a != b:
+            differing += 1
+            print(f"differs: {name} {arch} ({len(a)} vs {len(b)} instructions)")
+    print(f"{len(builds) - differing} of {len(builds)} instances identical to {revision}")
     return differing
+
+
+def compare_cuda_mma(revision: str) -> int:
+    """Differing instances of the CUDA decode kernel."""
+    configs = [cuda_mma.MMAConfig(m, n, k) for m in (1, 2) for n in (1, 2) for k in (2, 4, 8)]
+    builds = [(config.name_expression(dtype, lora_rank=rank), arch) for config in configs for rank in (0, 8, 32, 128)
+              for dtype in (torch.bfloat16, torch.float16) for arch in ("sm_80", "sm_90")]  # fmt: skip
+    return _compare_instances(revision, builds)
+
+
+def compare_wgmma(revision: str) -> int:
+    """Differing instances of the wgmma kernel (every shape of `cuda_wgmma.SHAPES`, 3-6 stages, bf16 and fp16, sm_90a)."""
+    from trl_qerl.nvfp4.cuda_wgmma import SHAPES, WgmmaConfig
+
+    builds = [(WgmmaConfig(*shape, stages).name_expression(dtype), "sm_90a") for shape in SHAPES
+              for stages in (3, 4, 5, 6) for dtype in (torch.bfloat16, torch.float16)]  # fmt: skip
+    return _compare_instances(revision, builds)
 
 
 def _module_at(revision: str, module, folder: Path):
@@ -175,7 +188,10 @@ def compare_fused_shrink(revision: str) -> int:
     return _compare_builds(before, _fused_shrink_builds(_fused_shrink_kernel, folder))
 
 
-COMPARISONS = {"cuda-mma": compare_cuda_mma, "split-kv": compare_split_kv, "fused-shrink": compare_fused_shrink}
+COMPARISONS = {
+    "cuda-mma": compare_cuda_mma, "wgmma": compare_wgmma, "split-kv": compare_split_kv,
+    "fused-shrink": compare_fused_shrink,
+}  # fmt: skip
 
 
 def main() -> None:

@@ -9,6 +9,15 @@ c_{2i+1}) is one rotation and one mask of the word (the last pair two of each): 
 pairs are in column order, so the activations need no permutation either. The permutation was found by a search over
 rotation sets (`POSITIONS`); `untwiddle` restores the standard order.
 
+**The lane order** (`to_lane_order`, built for with `LANE_ORDER_BUILD`; an experiment for the wgmma kernel, not used
+by the engine yet). The wgmma kernel's lane t of a quad needs, per row and k16 step, the codes of columns 2t, 2t + 1,
+2t + 8 and 2t + 9 (its A fragment): bytes t and 4 + t of the step's 8, which it gathers from a 16-byte chunk (two
+steps) with two PRMTs and a shift before decoding, ~11 instructions per row and step. In the lane order the bytes of
+each 16-byte chunk of a row (4 words x 4 bytes) are transposed, so that word t holds exactly lane t's codes of the
+chunk's two steps (columns 2t, 2t + 1, 2t + 8, 2t + 9, then the same 16 columns on), and each word is then twiddled:
+one 4-byte read and the 9-instruction `decode_word` give the lane its four pairs for both steps. Chunks are the
+TMA boxes' swizzle units, so the staging is unchanged. `from_lane_order` restores the standard order.
+
 Nothing stores the twiddled order: every other reader of the codes (the Triton kernels, the tiled and wgmma kernels,
 dequantisation, checkpoints, vLLM) knows only the standard one. `twiddled_codes` permutes a model's codes in place
 (no second copy) for a stretch of decode steps and restores them on leaving, also on an error; inside it the CUDA
@@ -112,9 +121,43 @@ def untwiddle(packed: torch.Tensor) -> torch.Tensor:
     return _permute(packed, _untwiddle_sources())
 
 
+CHUNK_BYTES = 16
+"""Bytes of a row that `transpose_chunks` permutes among themselves (two k16 steps of codes: the wgmma kernel's
+staging unit)."""
+
+
+def _check_chunks(packed: torch.Tensor) -> None:
+    if packed.dtype != torch.uint8 or packed.shape[-1] % CHUNK_BYTES:
+        raise ValueError(
+            f"expected uint8 codes with a multiple of {CHUNK_BYTES} bytes per row (K a multiple of 32), "
+            f"got {packed.dtype} {tuple(packed.shape)}"
+        )
+
+
+def transpose_chunks(packed: torch.Tensor) -> torch.Tensor:
+    """Byte j of word i of every 16-byte chunk of a row moved to byte i of word j (a new tensor; its own inverse)."""
+    _check_chunks(packed)
+    chunks = packed.contiguous().view(*packed.shape[:-1], -1, 4, 4)
+    return chunks.transpose(-1, -2).contiguous().view(packed.shape)
+
+
+def to_lane_order(packed: torch.Tensor) -> torch.Tensor:
+    """Standard ``uint8 [rows, K/2]`` codes -> the lane order (see the module): `transpose_chunks`, then `twiddle`."""
+    return twiddle(transpose_chunks(packed))
+
+
+def from_lane_order(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_lane_order`."""
+    return transpose_chunks(untwiddle(packed))
+
+
 TWIDDLED_BUILD = ("-DNVFP4_TWIDDLED=1",)
 """NVRTC flags of the decode and tiled kernels' builds that read the twiddled order (`cuda_mma.matmul` and
 `cuda_mma.tile_matmul` add them inside `twiddled_codes`)."""
+
+LANE_ORDER_BUILD = ("-DNVFP4_TWIDDLED=2",)
+"""NVRTC flags of a wgmma kernel build that reads codes in the lane order (`to_lane_order`; benchmarks and tests pass
+them to `cuda_wgmma.wgmma_matmul`). The decode and tiled kernels do not build with them (a compile-time error)."""
 
 _active = False
 
@@ -139,15 +182,23 @@ def check_standard_order(reader: str) -> None:
         )
 
 
-def permute_(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def permute_(packed: torch.Tensor, inverse: bool = False, lanes: bool = False) -> torch.Tensor:
     """`twiddle` (or, with ``inverse``, `untwiddle`) in place, ``packed`` returned: one Triton pass on CUDA (a few ms
-    for a 7B model's codes), `twiddle` / `untwiddle` and a copy elsewhere."""
+    for a 7B model's codes), `twiddle` / `untwiddle` and a copy elsewhere. ``lanes``: `to_lane_order` (or
+    `from_lane_order`) instead."""
     _check_in_place(packed)
+    if lanes:
+        _check_chunks(packed)
     if packed.device.type == "cuda":
-        from ._twiddle_kernel import permute_bits_  # Triton is needed on CUDA only
+        from ._twiddle_kernel import permute_bits_, permute_lanes_  # Triton is needed on CUDA only
 
-        permute_bits_(packed.view(torch.int32), _pass_groups(inverse))
+        if lanes:
+            permute_lanes_(packed.view(torch.int32), _pass_groups(inverse), inverse)
+        else:
+            permute_bits_(packed.view(torch.int32), _pass_groups(inverse))
         return packed
+    if lanes:
+        return packed.copy_(from_lane_order(packed) if inverse else to_lane_order(packed))
     return packed.copy_(untwiddle(packed) if inverse else twiddle(packed))
 
 

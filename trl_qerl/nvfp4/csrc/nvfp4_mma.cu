@@ -38,7 +38,8 @@
 #endif
 
 #ifndef NVFP4_TWIDDLED
-#define NVFP4_TWIDDLED 0  // 1: each code word in the bit order of `trl_qerl.nvfp4.twiddle` (decode and tiled kernels)
+#define NVFP4_TWIDDLED 0  // 1: each code word in the bit order of `trl_qerl.nvfp4.twiddle` (decode and tiled kernels);
+                          // 2: the lane order (`twiddle.to_lane_order`: the wgmma kernel only)
 #endif
 
 #ifndef NVFP4_ASYNC_STAGES
@@ -433,6 +434,7 @@ __device__ __forceinline__ void load_stage(Stage<MT, NT, PREFETCH_X>& st, const 
 template <int MT, int NT, bool BF16, typename Activations>
 __device__ __forceinline__ void multiply_block(const uint4 (&w)[MT][2], const u32 (&scales)[MT][2],
                                                float (&acc)[MT][NT][4], Activations activations) {
+  static_assert(NVFP4_TWIDDLED != 2 || MT < 0, "the lane order (NVFP4_TWIDDLED=2) is for the wgmma kernel only");
   u32 scale[MT][2][2];  // [m tile][row half][group]
   #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {

@@ -29,6 +29,11 @@
 // columns 2t, 2t + 1 (a0, a1) and 2t + 8, 2t + 9 (a2, a3) of the step: bytes t and 4 + t of the step's 8 code bytes
 // (low nibble first). One PRMT gathers them, a shift and a second PRMT place the four codes where the Marlin decode
 // (decode_word's pairs 0 and 2) turns them into the bf16 / fp16 pairs, times the step's scale pair.
+//
+// Built with NVFP4_TWIDDLED=2, the kernel reads codes in the lane order (trl_qerl/nvfp4/twiddle.py, to_lane_order):
+// each 16-byte chunk's bytes transposed, so that its word t holds lane t's codes of both steps, and each word twiddled.
+// A lane reads that one word and decode_word (twiddled) gives its four pairs for the chunk: 9 instructions and a
+// 4-byte read per row and two steps, where the natural order takes ~2 x 9 and a 16-byte read.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define NVFP4_WGMMA 1
@@ -162,6 +167,30 @@ __device__ __forceinline__ void decode_step(u32 w0, u32 w1, int t, u32 scale, u3
   p2 = mul2<BF16>(p2, scale);
 }
 
+// One row's codes of a 16-byte chunk (two k16 steps) as the lane keeps them between the steps: the chunk's 16 bytes,
+// or in the lane order the four pairs of word t, decoded and not yet scaled.
+template <bool BF16>
+__device__ __forceinline__ uint4 chunk_codes(const unsigned char* chunk, int t) {
+#if NVFP4_TWIDDLED == 2
+  u32 p[4];
+  decode_word<BF16>(*reinterpret_cast<const u32*>(chunk + 4 * t), p);
+  return make_uint4(p[0], p[1], p[2], p[3]);
+#else
+  return *reinterpret_cast<const uint4*>(chunk);
+#endif
+}
+
+// The A registers of one row for step 2c + half of its chunk (`chunk_codes`), times the step's scale pair.
+template <bool BF16>
+__device__ __forceinline__ void step_operands(const uint4& v, int half, int t, u32 scale, u32& p0, u32& p2) {
+#if NVFP4_TWIDDLED == 2
+  p0 = mul2<BF16>(half ? v.z : v.x, scale);
+  p2 = mul2<BF16>(half ? v.w : v.y, scale);
+#else
+  decode_step<BF16>(half ? v.z : v.x, half ? v.w : v.y, t, scale, p0, p2);
+#endif
+}
+
 // Tensor maps for the Tensor Memory Accelerator (cuda.h's CUtensorMap, encoded on the host by
 // cuTensorMapEncodeTiled): the codes of each weight of the launch ([rows][K / 2] bytes, boxes of 64 bytes x ROWS
 // rows, 64-byte swizzle) and the activations ([M][K] 16-bit, boxes of 64 columns x N tokens, 128-byte swizzle).
@@ -288,7 +317,7 @@ __global__ void __launch_bounds__(128 * WG) nvfp4_wgmma_kernel(const u16* __rest
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = warp_row + mw * 64 + h * 8;
-          codes[mw][h] = *reinterpret_cast<const uint4*>(codes_of_stage + r * 64 + ((c ^ code_swizzle) * 16));
+          codes[mw][h] = chunk_codes<BF16>(codes_of_stage + r * 64 + ((c ^ code_swizzle) * 16), t);
           float lo, hi;
           e4m3x2_to_float(scale_words[mw][h][c >> 1] >> ((c & 1) * 16), lo, hi);
           scale[mw][h][0] = scale_pair<BF16>(lo);
@@ -307,7 +336,7 @@ __global__ void __launch_bounds__(128 * WG) nvfp4_wgmma_kernel(const u16* __rest
               a[mw][h] = half ? v.z : v.x;
               a[mw][2 + h] = half ? v.w : v.y;
             } else {
-              decode_step<BF16>(half ? v.z : v.x, half ? v.w : v.y, t, scale[mw][h][half], a[mw][h], a[mw][2 + h]);
+              step_operands<BF16>(v, half, t, scale[mw][h][half], a[mw][h], a[mw][2 + h]);
             }
           }
         wgmma_fence();
