@@ -6,9 +6,11 @@ turn twiddled words into the bf16 and fp16 bit patterns of the pairs (c_{2i}, c_
 loop has fewer instructions and no activation permutes. On a GPU: the twiddled build with twiddled codes against the
 float64 reference of the standard codes, with and without LoRA terms, bf16 and fp16.
 
-The lane order (`twiddle.to_lane_order`, the wgmma kernel built with ``-DNVFP4_TWIDDLED=2``): round trips, what each
-lane decodes from its word (emulated with the kernel's formulas), the Triton pass, the sm_90a main loop, the decode
-kernel refusing the build; on an H100/H200 its outputs equal the shipped build's bit for bit.
+The lane order (`twiddle.to_lane_order`, kernels built with ``-DNVFP4_TWIDDLED=2``): round trips, what each lane
+decodes from its word (emulated with the kernel's formulas), the Triton pass, the window in that order, the sm_90a main
+loops (wgmma shorter, decode kernel as long as in the twiddled order); on a GPU the decode and tiled kernels against
+the reference and, on an H100/H200, the wgmma build's outputs equal to the shipped build's bit for bit, and the
+engine's greedy tokens.
 
 The window (`twiddle.twiddled_codes`): the in-place pass (Triton, against the torch permutation), restoring on
 leaving and on errors, standard-order readers refusing twiddled codes; the fast rollout engine's use of it, its
@@ -20,6 +22,8 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,17 +51,19 @@ def _decode(words: torch.Tensor, table) -> torch.Tensor:
 
 
 def _kernel_tables(bf16: bool) -> list[list[tuple[int, int]]]:
-    """The (rotation, mask) pairs of the kernel's twiddled ``decode_word``, read from its source."""
+    """The (rotation, mask) pairs of the kernel's ``twiddled_pair`` (what the twiddled ``decode_word`` and the lane
+    order's decode compute), read from its source."""
     source = cuda_mma.SOURCE_PATHS[0].read_text()
-    block = source.split("#if NVFP4_TWIDDLED\n  if (BF16) {")[1].split("#else")[0]
-    branch = block.split("} else {")[0 if bf16 else 1]
+    body = source.split("u32 twiddled_pair(u32 q, int i) {")[1].split("\n}\n")[0]
+    bf16_branch, fp16_branch = body.split("if (BF16) {")[1].split("\n  }\n")
+    branch = bf16_branch if bf16 else fp16_branch
     constants = dict(re.findall(r"\b(\w) = (0x[0-9A-F]+)u", branch))
 
     def value(mask: str) -> int:
         return int(constants.get(mask, mask.rstrip("u")), 16)
 
     tables = []
-    for line in re.findall(r"p\[\d\] = ([^;]+);", branch):
+    for line in re.findall(r"return ([^;]+);", branch):
         rotated = [(int(r), value(mask)) for r, mask in re.findall(r"rotate_right\(q, (\d+)\) & (\w+)", line)]
         tables.append([(0, value(mask)) for mask in re.findall(r"\bq & (\w+)", line)] + rotated)
     return tables
@@ -198,9 +204,10 @@ def test_lane_order_round_trips(shape):
 
 
 def test_lane_order_gives_each_lane_its_fragment_pairs():
-    """What the wgmma build's lane t does with chunk c of a row (its 4-byte word t, decoded by the kernel's twiddled
-    ``decode_word``, read from its source) gives the bf16 pairs of columns (2t, 2t+1), (2t+8, 2t+9) of step 2c and the
-    same of step 2c + 1 (wgmma's A fragment), for every lane, chunk and byte value."""
+    """What the wgmma build's lane t does with chunk c of a row (its 4-byte word t, decoded by the kernel's
+    ``twiddled_pair``, read from its source) gives the bf16 pairs of columns (2t, 2t+1), (2t+8, 2t+9) of step 2c and
+    the same of step 2c + 1 (wgmma's A fragment), for every lane, chunk and byte value. In the chunk's pair numbering:
+    position i of word t is pair 4i + t, which is how the decode and tiled kernels pair it with the activations."""
     packed = torch.randint(0, 256, (512, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
     words = twiddle.to_lane_order(packed).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [row, chunk * 4 + t]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(1).to(torch.int64)  # [row, column]
@@ -216,6 +223,56 @@ def test_lane_order_gives_each_lane_its_fragment_pairs():
             for pair, (table, first) in enumerate(zip(tables, columns)):
                 expected = half(codes[:, first]) | (half(codes[:, first + 1]) << 16)
                 assert torch.equal(_decode(word, table), expected), (c, t, pair)
+
+
+def test_the_lane_window_holds_the_lane_order_and_restores():
+    """``twiddled_codes(..., lanes=True)``: the codes in the lane order inside, the wgmma kernel among the readers and
+    the lane build for every CUDA kernel; standard codes, no flags and no lane order after."""
+    from trl_qerl.nvfp4 import kernels
+
+    codes = [_random_codes(columns=32, seed=seed) for seed in range(2)]
+    standard = [packed.clone() for packed in codes]
+    with twiddle.twiddled_codes(codes, lanes=True):
+        assert twiddle.active() and twiddle.lane_order()
+        assert twiddle.window_build() == twiddle.LANE_ORDER_BUILD
+        assert kernels.window_readers() == kernels.LANE_ORDER_READERS
+        assert all(torch.equal(packed, twiddle.to_lane_order(before)) for packed, before in zip(codes, standard))
+    assert not twiddle.lane_order() and twiddle.window_build() == ()
+    assert all(torch.equal(packed, before) for packed, before in zip(codes, standard))
+    with twiddle.twiddled_codes(codes):
+        assert not twiddle.lane_order() and twiddle.window_build() == twiddle.TWIDDLED_BUILD
+        assert kernels.window_readers() == kernels.TWIDDLED_READERS
+    with pytest.raises(ValueError, match="multiple of 16"):
+        with twiddle.twiddled_codes([_random_codes(columns=24)], lanes=True):
+            pass
+    assert not twiddle.active()
+
+
+def test_the_wgmma_kernel_refuses_the_twiddled_order():
+    """Inside a twiddled-order window the wgmma kernel refuses before launching (its decode takes the natural or the
+    lane order only); `kernels.run` routes a wgmma choice to it."""
+    from trl_qerl.nvfp4 import cuda_wgmma
+
+    generator = torch.Generator().manual_seed(5)
+    weights = [quantized(64, 128, generator, device="cpu")]
+    x = torch.randn(64, 128, generator=generator)
+    with twiddle.twiddled_codes([]):
+        with pytest.raises(twiddle.TwiddledCodesError, match="the wgmma kernel reads .* twiddled order now"):
+            cuda_wgmma.wgmma_matmul(x, weights, WgmmaConfig(2, 1, 64, 4))
+
+
+def test_rollout_benchmark_lane_order_engine_turns_it_on_and_back_off():
+    """`bench_rollout.py`'s ``+lane_order`` engine: `fast.LANE_ORDER` while it runs, the shipped setting after."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_rollout import ENGINES, engine_environment
+
+    from trl_qerl.rollout import fast
+
+    shipped = fast.LANE_ORDER
+    assert ENGINES["fused+compile+split_kv+twiddle+lane_order"]["twiddled_decode"]
+    with engine_environment("fused+compile+split_kv+twiddle+lane_order"):
+        assert fast.LANE_ORDER
+    assert fast.LANE_ORDER == shipped is False
 
 
 def test_permute_in_place_to_the_lane_order_round_trips():
@@ -251,16 +308,52 @@ def test_lane_order_wgmma_main_loop_is_shorter(tmp_path, config):
 
 
 @needs_nvrtc
-def test_decode_kernel_refuses_the_lane_order_build():
-    """Only the wgmma kernel reads the lane order: building a decode-kernel instance with its flag fails at compile
-    time, naming why, instead of decoding the wrong columns."""
-    name = cuda_mma.MMAConfig(1, 1, 4).name_expression(torch.bfloat16)
-    with pytest.raises(nvrtc.NVRTCError, match="wgmma kernel only"):
-        nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", twiddle.LANE_ORDER_BUILD)
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.parametrize("config", [cuda_mma.MMAConfig(1, 1, 4), cuda_mma.MMAConfig(2, 1, 4)], ids=str)
+def test_decode_kernel_main_loop_in_the_lane_order_is_the_twiddled_ones(tmp_path, config):
+    """The decode kernel's LoRA build (what the engine launches) reads the lane order with the twiddled order's main
+    loop: the same MMAs, no PRMT, within 2 % of its instructions and 8 registers (2026-12-05: equal counts)."""
+
+    def build(options):
+        name = config.name_expression(torch.bfloat16, lora_rank=32)
+        cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", options)
+        return main_loop(sass_of(cubin, tmp_path)), resources_of(cubin, tmp_path)
+
+    (twiddled, twiddled_resources), (lane, resources) = build(TWIDDLED), build(twiddle.LANE_ORDER_BUILD)
+    assert sum(op.startswith("HMMA") for op in lane) == sum(op.startswith("HMMA") for op in twiddled)
+    assert not any(op.startswith("PRMT") for op in lane)
+    assert abs(len(lane) - len(twiddled)) <= 0.02 * len(twiddled), (len(twiddled), len(lane))
+    assert resources["LOCAL"] == 0 and resources["REG"] <= twiddled_resources["REG"] + 8
 
 
 def _lane_ordered(weights):
     return [(twiddle.to_lane_order(packed), scale, global_scale) for packed, scale, global_scale in weights]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 5, 16, 32])
+def test_decode_and_tiled_kernels_read_the_lane_order(dtype, m):
+    """Inside a lane-order window (here with no codes of its own, only the switch) the decode kernel's instances (and
+    from 16 rows the tiled kernel's, also with K split) on lane-ordered codes give the float64 reference of the
+    standard codes; K = 352 leaves a partial last block."""
+    generator = torch.Generator().manual_seed(40 + m)
+    weights = [quantized(n, 352, generator) for n in (48, 16, 16)]
+    x = torch.randn(m, 352, generator=generator).to("cuda", dtype)
+    expected = reference(x, weights, [None] * 3)
+    lane = _lane_ordered(weights)
+    with twiddle.twiddled_codes([], lanes=True):
+        for config in cuda_mma.candidate_configs(m, 80, 352):
+            out = cuda_mma.matmul(x, lane, config, out=poisoned_out(m, 80, dtype))
+            assert relative_error(expected, out) < TOLERANCE, str(config)
+        if m >= 16:
+            tile_weights = [quantized(n, 512, generator) for n in (128, 64)]
+            xt = torch.randn(m, 512, generator=generator).to("cuda", dtype)
+            expected_tile = reference(xt, tile_weights, [None] * 2)
+            configs = cuda_mma.tile_candidate_configs(m, 192, 512, 132, 227 * 1024)[:6]
+            for config in [*configs, cuda_mma.TileConfig(1, 2, 4, 2, split_k=2)]:
+                out = cuda_mma.tile_matmul(xt, _lane_ordered(tile_weights), config, out=poisoned_out(m, 192, dtype))
+                assert relative_error(expected_tile, out) < TOLERANCE, str(config)
 
 
 @needs_hopper
@@ -361,11 +454,11 @@ def test_the_window_restores_the_codes_it_twiddled_when_twiddling_fails(monkeypa
     standard = [packed.clone() for packed in codes]
     real, calls = twiddle.permute_, []
 
-    def fails_on_the_second(packed, inverse=False):
+    def fails_on_the_second(packed, inverse=False, lanes=False):
         calls.append(inverse)
         if calls.count(False) == 2 and not inverse:
             raise RuntimeError("out of memory")
-        return real(packed, inverse)
+        return real(packed, inverse, lanes)
 
     monkeypatch.setattr(twiddle, "permute_", fails_on_the_second)
     with pytest.raises(RuntimeError, match="out of memory"):
@@ -474,9 +567,14 @@ def test_engine_keeps_non_contiguous_codes_in_the_standard_order(caplog):
     assert len(warnings) == 1 and "contiguous" in warnings[0]
 
 
-def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_twiddled_one(monkeypatch, caplog):
+@pytest.mark.parametrize("lanes", [False, True], ids=["twiddled", "lane_order"])
+def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_twiddled_one(
+    monkeypatch, caplog, lanes
+):
     """A decode window whose step meets a standard-order reader (here every product: CPU reference kernels) raises
-    inside; the generator restores the codes, logs once, and returns what standard decoding returns."""
+    inside; the generator restores the codes, logs once, and returns what standard decoding returns. With
+    `fast.LANE_ORDER` the window holds the lane order."""
+    from trl_qerl.rollout import fast
     from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
 
     model = _nvfp4_model()
@@ -485,22 +583,38 @@ def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_
     generator = StaticCacheGenerator(model, cuda_graph=False, engine="fused")
     codes = [packed.clone() for packed in generator.nvfp4_codes()]
     monkeypatch.setattr(StaticCacheGenerator, "_twiddles", lambda self, batch: self._twiddle_off is None)
+    monkeypatch.setattr(fast, "LANE_ORDER", lanes)
+    windows, real_window = [], twiddle.twiddled_codes
+
+    def recorded_window(codes, lanes=False):
+        windows.append(lanes)
+        return real_window(codes, lanes)
+
+    monkeypatch.setattr(twiddle, "twiddled_codes", recorded_window)
     with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.fast"):
         assert generator.generate(prompts, params, [1], 0) == standard
         assert generator.generate(prompts, params, [1], 0) == standard
+    assert windows and set(windows) == {lanes}
     warnings = [r.message for r in caplog.records if "standard order from now on" in r.message]
-    assert len(warnings) == 1 and "twiddled now" in warnings[0]
+    assert len(warnings) == 1 and ("lane order now" if lanes else "twiddled order now") in warnings[0]
     assert not twiddle.active()
     assert all(torch.equal(packed, before) for packed, before in zip(generator.nvfp4_codes(), codes))
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 8, 32])
-def test_engine_decodes_twiddled_codes_as_the_standard_order(rows):
+@pytest.mark.parametrize("lanes", [False, True], ids=["twiddled", "lane_order"])
+@pytest.mark.parametrize("rows", [1, 8, 32, 64])
+def test_engine_decodes_twiddled_codes_as_the_standard_order(rows, lanes, monkeypatch):
     """On a GPU, bf16: the captured, compiled step with the codes twiddled (its state says so, nothing fell back)
     draws the same greedy tokens as with the standard order, with log-probs equal up to the order of fp32 sums; the
-    codes are standard again after each rollout. The LM head is scaled so that greedy choices are not near-ties."""
+    codes are standard again after each rollout. The LM head is scaled so that greedy choices are not near-ties. With
+    `fast.LANE_ORDER` in the lane order, also at 64 rows (the twiddled order stops at `fast.TWIDDLE_MAX_ROWS`)."""
+    from trl_qerl.rollout import fast
     from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+
+    if rows > fast.TWIDDLE_MAX_ROWS and not lanes:
+        pytest.skip("the twiddled order stops at fast.TWIDDLE_MAX_ROWS rows")
+    monkeypatch.setattr(fast, "LANE_ORDER", lanes)
 
     model = _nvfp4_model(torch.bfloat16).cuda()
     with torch.no_grad():
@@ -513,7 +627,8 @@ def test_engine_decodes_twiddled_codes_as_the_standard_order(rows):
     standard = standard_engine.sample(prompts, params, [1], 0)
     for _ in range(2):  # the second replays the captured step
         ours = twiddled_engine.sample(prompts, params, [1], 0)
-        assert next(iter(twiddled_engine._states.values())).twiddled and twiddled_engine._twiddle_off is None
+        state = next(iter(twiddled_engine._states.values()))
+        assert state.twiddled and state.lanes == lanes and twiddled_engine._twiddle_off is None
         assert ours.completion_ids == standard.completion_ids
         gaps = [abs(a - b) for row, theirs in zip(ours.logprobs, standard.logprobs) for a, b in zip(row, theirs)]
         assert max(gaps) < 0.05, max(gaps)

@@ -386,7 +386,7 @@ def matmul(
     ``lora``, each output plus its adapter's ``scaling * hidden_i @ B_i.T`` (the base rounded first, then the sum).
 
     Callers check `supports` (and `lora_supported`) first. ``biases`` (one per weight, or None) are in ``x.dtype``.
-    Inside `twiddle.twiddled_codes` the build reads the twiddled order."""
+    Inside `twiddle.twiddled_codes` the build reads the window's order (`twiddle.window_build`)."""
     m, k = x.shape
     config = launch_config(config)
     biases = list(biases) if biases is not None else [None] * len(weights)
@@ -395,7 +395,7 @@ def matmul(
         out = torch.empty(m, total, device=x.device, dtype=x.dtype)
     programmatic = programmatic_launch(x.device)
     name = config.name_expression(x.dtype, lora_rank=lora.rank if lora is not None else 0)
-    flags = options + (twiddle.TWIDDLED_BUILD if twiddle.active() else ())  # (captured graphs keep their build)
+    flags = options + twiddle.window_build()  # (captured graphs keep their build)
     build = kernel(name, x.dtype, x.device, flags + PDL_BUILD if programmatic else flags)
     ring = _ring_bytes(flags, config, weights, k)
     groups = -(-m // config.tokens)
@@ -549,11 +549,10 @@ def tile_matmul(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`matmul` with the tiled kernel (plus, when ``config.split_k > 1``, one launch that adds the partial sums).
-    Inside `twiddle.twiddled_codes` the build reads the twiddled order (it decodes with `matmul`'s code).
+    Inside `twiddle.twiddled_codes` the build reads the window's order (it decodes with `matmul`'s code).
 
     Callers check `supports_tile` first."""
-    options = twiddle.TWIDDLED_BUILD if twiddle.active() else ()
-    return launch_tiled(x, weights, config, 32 * config.warps, biases, out, options=options)
+    return launch_tiled(x, weights, config, 32 * config.warps, biases, out, options=twiddle.window_build())
 
 
 def launch_tiled(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import nvrtc
+from . import nvrtc, twiddle
 from .cuda_mma import MAX_SEGMENTS, Weight, launch_tiled, supports_tile
 
 
@@ -125,7 +125,12 @@ def wgmma_matmul(
 ) -> torch.Tensor:
     """``[x @ W_0.T + b_0, x @ W_1.T + b_1, ...]`` side by side in one ``[M, sum N_i]`` tensor: one launch (plus,
     when ``config.split_k > 1``, one that adds the fp32 partial sums in split order). Callers check
-    `supports_wgmma` first; ``biases`` are in ``x.dtype``; ``options``: extra NVRTC flags (benchmarks)."""
+    `supports_wgmma` first; ``biases`` are in ``x.dtype``; ``options``: extra NVRTC flags (benchmarks). Inside
+    ``twiddle.twiddled_codes(..., lanes=True)`` the build reads the lane order; inside a twiddled-order window it
+    refuses (`twiddle.TwiddledCodesError`: its decode takes the natural or the lane order only)."""
+    if twiddle.active() and not twiddle.lane_order():
+        twiddle.check_standard_order("the wgmma kernel")
+    options = options + twiddle.window_build()
     limit = nvrtc.max_shared_memory_per_block(nvrtc.device_index(x.device))
     if config.shared_memory_bytes > limit:
         raise ValueError(

@@ -859,30 +859,35 @@ class KernelChooser:
         return tuned if isinstance(tuned, MMAConfig) else chosen(x, weights)
 
     def _twiddled_choice(self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], key: str) -> Choice:
-        """Inside `twiddle.twiddled_codes` only the CUDA decode and tiled kernels read the codes (`TWIDDLED_READERS`):
-        the table's choice for ``key`` where it is one of theirs (the twiddled build of a decode instance is as fast
-        or faster, measured per call on the H200), else the fastest decode instance timed with the twiddled build
-        (``key|twiddled``), or `cuda_mma.heuristic_config` where timing cannot run. `twiddle.TwiddledCodesError`
-        where the decode kernel does not serve the call."""
+        """Inside `twiddle.twiddled_codes` only the window order's readers read the codes (`window_readers`: the
+        CUDA decode and tiled kernels, and in the lane order the wgmma kernel): the table's choice for ``key`` where
+        it is one of theirs (the twiddled build of a decode instance is as fast or faster, measured per call on the
+        H200), else the fastest reader timed with the window's build (``key|twiddled``: decode instances;
+        ``key|lanes``: decode, tiled and wgmma instances), or `cuda_mma.heuristic_config` where timing cannot run.
+        `twiddle.TwiddledCodesError` where the decode kernel does not serve the call."""
         if not mma_usable(x, weights):
             twiddle.check_standard_order(f"this product ({x.shape[0]} rows; the CUDA decode kernel does not serve it)")
         known = self.choices.get(key)
-        if isinstance(known, TWIDDLED_READERS) and _applies(known, x, weights, mma=True):
+        if isinstance(known, window_readers()) and _applies(known, x, weights, mma=True):
             return known
         m, k = x.shape
         n = sum(w[0].shape[0] for w in weights)
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        twiddled_key = f"{key}|twiddled"
-        if twiddled_key not in self.choices:
+        window_key = f"{key}|lanes" if twiddle.lane_order() else f"{key}|twiddled"
+        if window_key not in self.choices:
             if not self.autotune or torch.cuda.is_current_stream_capturing():
                 return cuda_mma.heuristic_config(m, n, k, num_sms)
-            self._note_timing(twiddled_key)
+            self._note_timing(window_key)
             probe = torch.randn(m_bucket(m), k, device=x.device, dtype=x.dtype)
-            configs = cuda_mma.candidate_configs(m_bucket(m), n, k, num_sms)
-            calls = {config: functools.partial(cuda_mma.matmul, probe, weights, config) for config in configs}
-            fastest = _fastest_call(calls, self.timings.setdefault(twiddled_key, {}))
-            self.choices[twiddled_key] = fastest or cuda_mma.heuristic_config(m, n, k, num_sms)
-        return self.choices[twiddled_key]
+            configs: list[Choice] = list(cuda_mma.candidate_configs(m_bucket(m), n, k, num_sms))
+            if twiddle.lane_order():
+                tiles = tile_candidates(m_bucket(m), n, k, x.device, num_sms)
+                configs += [c for c in tiles if _applies(c, probe, weights, mma=True)]
+            calls = {config: functools.partial(_run_on_weights, probe, weights, [None] * len(weights), config)
+                     for config in configs}  # fmt: skip
+            fastest = _fastest_call(calls, self.timings.setdefault(window_key, {}))
+            self.choices[window_key] = fastest or cuda_mma.heuristic_config(m, n, k, num_sms)
+        return self.choices[window_key]
 
     @classmethod
     def lora_key(cls, x: torch.Tensor, n: int, k: int, group: int, rank: int) -> str:
@@ -987,10 +992,17 @@ def _choice_from_json(entry) -> Choice:
 
 TWIDDLED_READERS = (MMAConfig, TileConfig)
 """The choices whose builds read the twiddled code order inside `twiddle.twiddled_codes` (they share the decode)."""
+LANE_ORDER_READERS = (MMAConfig, TileConfig, WgmmaConfig)
+"""The choices whose builds read the lane order (``twiddle.twiddled_codes(..., lanes=True)``)."""
+
+
+def window_readers() -> tuple[type, ...]:
+    """The choices that may read the codes now: inside `twiddle.twiddled_codes` the window order's readers."""
+    return LANE_ORDER_READERS if twiddle.lane_order() else TWIDDLED_READERS
 
 
 def run(x, weight_packed, weight_scale, weight_global_scale, choice: Choice) -> torch.Tensor:
-    if not isinstance(choice, TWIDDLED_READERS):
+    if not isinstance(choice, window_readers()):
         twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
     if choice == DEQUANT_CUBLAS:
         return _dequantize_then_linear(x, weight_packed, weight_scale, weight_global_scale)
@@ -1005,9 +1017,9 @@ def _run_on_weights(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torc
         return cuda_mma.matmul(x, weights, choice, biases)
     if isinstance(choice, TileConfig):
         return cuda_mma.tile_matmul(x, weights, choice, biases)
-    twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
-    if isinstance(choice, WgmmaConfig):
+    if isinstance(choice, WgmmaConfig):  # (refuses the twiddled order itself; reads the lane order)
         return cuda_wgmma.wgmma_matmul(x, weights, choice, biases)
+    twiddle.check_standard_order(f"the NVFP4 kernel choice {choice}")
     if isinstance(choice, DequantChunks):
         return dequantize_in_chunks(x, weights, biases, choice)
     return None

@@ -9,20 +9,23 @@ c_{2i+1}) is one rotation and one mask of the word (the last pair two of each): 
 pairs are in column order, so the activations need no permutation either. The permutation was found by a search over
 rotation sets (`POSITIONS`); `untwiddle` restores the standard order.
 
-**The lane order** (`to_lane_order`, built for with `LANE_ORDER_BUILD`; an experiment for the wgmma kernel, not used
-by the engine yet). The wgmma kernel's lane t of a quad needs, per row and k16 step, the codes of columns 2t, 2t + 1,
-2t + 8 and 2t + 9 (its A fragment): bytes t and 4 + t of the step's 8, which it gathers from a 16-byte chunk (two
+**The lane order** (`to_lane_order`, built for with `LANE_ORDER_BUILD`; the fast engine holds it with
+`rollout.fast.LANE_ORDER`, off until measured). The wgmma kernel's lane t of a quad needs, per row and k16 step, the
+codes of columns 2t, 2t + 1, 2t + 8 and 2t + 9 (its A fragment): bytes t and 4 + t of the step's 8, which it gathers from a 16-byte chunk (two
 steps) with two PRMTs and a shift before decoding, ~11 instructions per row and step. In the lane order the bytes of
 each 16-byte chunk of a row (4 words x 4 bytes) are transposed, so that word t holds exactly lane t's codes of the
 chunk's two steps (columns 2t, 2t + 1, 2t + 8, 2t + 9, then the same 16 columns on), and each word is then twiddled:
 one 4-byte read and the 9-instruction `decode_word` give the lane its four pairs for both steps. Chunks are the
-TMA boxes' swizzle units, so the staging is unchanged. `from_lane_order` restores the standard order.
+TMA boxes' swizzle units, so the staging is unchanged. The decode and tiled kernels read it too: their lane owns a
+whole chunk, and only which of its own columns meet which activations changes (no extra instructions). So a window
+in the lane order serves batches the wgmma kernel computes as well. `from_lane_order` restores the standard order.
 
-Nothing stores the twiddled order: every other reader of the codes (the Triton kernels, the tiled and wgmma kernels,
-dequantisation, checkpoints, vLLM) knows only the standard one. `twiddled_codes` permutes a model's codes in place
-(no second copy) for a stretch of decode steps and restores them on leaving, also on an error; inside it the CUDA
-decode and tiled kernels build with ``-DNVFP4_TWIDDLED=1`` and every other reader refuses to run
-(`TwiddledCodesError`, see `check_standard_order`), so a wrong read cannot pass silently. The fast rollout engine opens it around its decode loop
+Nothing stores either order: every other reader of the codes (the Triton kernels, dequantisation, checkpoints, vLLM)
+knows only the standard one. `twiddled_codes` permutes a model's codes in place (no second copy) for a stretch of
+decode steps and restores them on leaving, also on an error; inside it the CUDA decode and tiled kernels build with
+``-DNVFP4_TWIDDLED=1`` (the lane order: ``=2``, the wgmma kernel too; `window_build`) and every other reader refuses
+to run (`TwiddledCodesError`, see `check_standard_order`), so a wrong read cannot pass silently. The fast rollout
+engine opens it around its decode loop
 (`rollout.fast.StaticCacheGenerator`, ``twiddled_decode``). Measured on the H200 (7B, NVFP4 + LoRA r32 + AQN,
 2026-12-03): decode step 2.95-2.97 -> 2.80-2.81 ms at batch 1, 3.39-3.47 -> 3.26-3.33 ms at batch 8.
 """
@@ -156,10 +159,12 @@ TWIDDLED_BUILD = ("-DNVFP4_TWIDDLED=1",)
 `cuda_mma.tile_matmul` add them inside `twiddled_codes`)."""
 
 LANE_ORDER_BUILD = ("-DNVFP4_TWIDDLED=2",)
-"""NVRTC flags of a wgmma kernel build that reads codes in the lane order (`to_lane_order`; benchmarks and tests pass
-them to `cuda_wgmma.wgmma_matmul`). The decode and tiled kernels do not build with them (a compile-time error)."""
+"""NVRTC flags of the builds that read codes in the lane order (`to_lane_order`): the wgmma kernel, and the decode and
+tiled kernels (their lane owns a whole chunk, so only the pairing of its own columns changes). Inside
+``twiddled_codes(..., lanes=True)`` `window_build` gives them."""
 
 _active = False
+_lanes = False
 
 
 class TwiddledCodesError(Exception):
@@ -168,17 +173,33 @@ class TwiddledCodesError(Exception):
 
 
 def active() -> bool:
-    """Whether the codes of the model being decoded are in the twiddled order now (inside `twiddled_codes`)."""
+    """Whether the codes of the model being decoded are in the twiddled order now, or in the lane order (inside
+    `twiddled_codes`)."""
     return _active
+
+
+def lane_order() -> bool:
+    """Whether they are in the lane order now (inside ``twiddled_codes(..., lanes=True)``), where the wgmma kernel
+    reads them too."""
+    return _active and _lanes
+
+
+def window_build() -> tuple[str, ...]:
+    """The NVRTC flags a CUDA kernel reading the codes needs now: `LANE_ORDER_BUILD` or `TWIDDLED_BUILD` inside the
+    window, none outside."""
+    if not _active:
+        return ()
+    return LANE_ORDER_BUILD if _lanes else TWIDDLED_BUILD
 
 
 def check_standard_order(reader: str) -> None:
     """Raise `TwiddledCodesError` inside `twiddled_codes`: ``reader`` (named in the message) reads the standard order
     only."""
     if _active:
+        order, readers = ("lane", "CUDA decode, tiled and wgmma") if _lanes else ("twiddled", "CUDA decode and tiled")
         raise TwiddledCodesError(
-            f"{reader} reads NVFP4 codes in the standard order, but they are twiddled now (inside "
-            "trl_qerl.nvfp4.twiddle.twiddled_codes, where only the CUDA decode and tiled kernels may read them)."
+            f"{reader} reads NVFP4 codes in the standard order, but they are in the {order} order now (inside "
+            f"trl_qerl.nvfp4.twiddle.twiddled_codes, where only the {readers} kernels may read them)."
         )
 
 
@@ -190,16 +211,21 @@ def permute_(packed: torch.Tensor, inverse: bool = False, lanes: bool = False) -
     if lanes:
         _check_chunks(packed)
     if packed.device.type == "cuda":
-        from ._twiddle_kernel import permute_bits_, permute_lanes_  # Triton is needed on CUDA only
-
-        if lanes:
-            permute_lanes_(packed.view(torch.int32), _pass_groups(inverse), inverse)
-        else:
-            permute_bits_(packed.view(torch.int32), _pass_groups(inverse))
+        _launch_pass(packed, inverse, lanes)
         return packed
     if lanes:
         return packed.copy_(from_lane_order(packed) if inverse else to_lane_order(packed))
     return packed.copy_(untwiddle(packed) if inverse else twiddle(packed))
+
+
+def _launch_pass(packed: torch.Tensor, inverse: bool, lanes: bool) -> None:
+    """The Triton pass of `permute_` over CUDA codes (checked by the caller)."""
+    from ._twiddle_kernel import permute_bits_, permute_lanes_  # Triton is needed on CUDA only
+
+    if lanes:
+        permute_lanes_(packed.view(torch.int32), _pass_groups(inverse), inverse)
+    else:
+        permute_bits_(packed.view(torch.int32), _pass_groups(inverse))
 
 
 CAPTURE_PASSES = True
@@ -212,28 +238,27 @@ _GRAPHS: dict[tuple, torch.cuda.CUDAGraph] = {}
 _GRAPHS_KEPT = 4
 
 
-def _captured_passes(codes: Sequence[torch.Tensor], inverse: bool) -> torch.cuda.CUDAGraph | None:
-    """The passes of `permute_` over ``codes`` as one CUDA graph (captured once per direction and list of (address,
-    size): the launches read nothing else), or None where capture does not apply (not all on one CUDA device, fewer
-    than two tensors, or inside another capture)."""
+def _captured_passes(codes: Sequence[torch.Tensor], inverse: bool, lanes: bool = False) -> torch.cuda.CUDAGraph | None:
+    """The passes of `permute_` over ``codes`` as one CUDA graph (captured once per order, direction and list of
+    (address, size): the launches read nothing else), or None where capture does not apply (not all on one CUDA
+    device, fewer than two tensors, or inside another capture)."""
     devices = {packed.device for packed in codes}
     if len(codes) < 2 or len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
     if torch.cuda.is_current_stream_capturing():
         return None
-    key = (inverse, tuple((packed.data_ptr(), packed.numel()) for packed in codes))
+    key = (inverse, lanes, tuple((packed.data_ptr(), packed.numel()) for packed in codes))
     if key not in _GRAPHS:
-        from ._twiddle_kernel import permute_bits_
-
         for packed in codes:
             _check_in_place(packed)
-        groups = _pass_groups(inverse)
-        permute_bits_(torch.zeros(1, dtype=torch.int32, device=codes[0].device), groups)  # (compiles outside capture)
+            if lanes:
+                _check_chunks(packed)
+        _launch_pass(torch.zeros(16, dtype=torch.uint8, device=codes[0].device), inverse, lanes)  # (compiles first)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):  # (records the launches; nothing runs until a replay)
                 for packed in codes:
-                    permute_bits_(packed.view(torch.int32), groups)
+                    _launch_pass(packed, inverse, lanes)
         except Exception as error:  # noqa: BLE001 - the launches one by one do the same
             logger.warning("capturing the twiddle passes failed (%s: %s); launching them one by one",
                            type(error).__name__, str(error)[:200])  # fmt: skip
@@ -244,35 +269,36 @@ def _captured_passes(codes: Sequence[torch.Tensor], inverse: bool) -> torch.cuda
     return _GRAPHS[key]
 
 
-def _permute_all(codes: Sequence[torch.Tensor], inverse: bool, done: list[torch.Tensor]) -> None:
+def _permute_all(codes: Sequence[torch.Tensor], inverse: bool, done: list[torch.Tensor], lanes: bool = False) -> None:
     """`permute_` over ``codes``, appending each tensor to ``done`` once it is permuted (one graph replay for all of
     them with `CAPTURE_PASSES`)."""
-    graph = _captured_passes(codes, inverse) if CAPTURE_PASSES else None
+    graph = _captured_passes(codes, inverse, lanes) if CAPTURE_PASSES else None
     if graph is not None:
         graph.replay()
         done.extend(codes)
         return
     for packed in codes:
-        permute_(packed, inverse=inverse)
+        permute_(packed, inverse=inverse, lanes=lanes)
         done.append(packed)
 
 
 @contextlib.contextmanager
-def twiddled_codes(codes: Sequence[torch.Tensor]) -> Iterator[None]:
-    """``codes`` (uint8, contiguous) permuted in place to the twiddled order while inside, and back to the standard
-    order on leaving, also on an error (those already permuted, if permuting a later one fails). Inside, the CUDA
-    decode and tiled kernels build for the twiddled order and every other reader of codes raises
+def twiddled_codes(codes: Sequence[torch.Tensor], lanes: bool = False) -> Iterator[None]:
+    """``codes`` (uint8, contiguous) permuted in place to the twiddled order (``lanes``: the lane order, which needs
+    rows of whole 16-byte chunks) while inside, and back to the standard order on leaving, also on an error (those
+    already permuted, if permuting a later one fails). Inside, the CUDA decode and tiled kernels (and in the lane order
+    the wgmma kernel) build for that order (`window_build`) and every other reader of codes raises
     `TwiddledCodesError`. Not reentrant."""
-    global _active
+    global _active, _lanes
     if _active:
         raise RuntimeError("twiddled_codes is not reentrant: the codes are twiddled already")
     permuted: list[torch.Tensor] = []
     try:
         with torch.no_grad():
-            _permute_all(codes, inverse=False, done=permuted)
-        _active = True
+            _permute_all(codes, inverse=False, done=permuted, lanes=lanes)
+        _active, _lanes = True, lanes
         yield
     finally:
-        _active = False
+        _active, _lanes = False, False
         with torch.no_grad():
-            _permute_all(permuted, inverse=True, done=[])
+            _permute_all(permuted, inverse=True, done=[], lanes=lanes)

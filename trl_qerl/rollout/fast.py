@@ -31,8 +31,9 @@ custom op inside the graph.
 While decode steps run (bf16 NVFP4 models on CUDA, at most `TWIDDLE_MAX_ROWS` rows), the NVFP4 codes are held in the
 twiddled bit order (`trl_qerl.nvfp4.twiddle`): permuted in place before the decode loop and restored after it, so the
 decode kernel needs fewer instructions per weight while everything else (prefill, training, checkpoints) sees the
-standard order. A product that only a standard-order kernel serves raises inside that window, and the generator then
-logs once and decodes in the standard order from then on.
+standard order. With `LANE_ORDER` (off, not yet measured) they are held in the lane order instead, which the wgmma
+kernel reads too, up to `LANE_ORDER_MAX_ROWS` rows. A product that only a standard-order kernel serves raises inside
+that window, and the generator then logs once and decodes in the standard order from then on.
 
 Sampling follows transformers' order and semantics: temperature, top-k, top-p, min-p, then a draw from the
 filtered distribution (``temperature=0`` decodes greedily).
@@ -82,6 +83,16 @@ TWIDDLE_MAX_ROWS = 32
 here the CUDA decode and tiled kernels compute the NVFP4 products of the step (the shipped choices; measured gain on
 the H200, 7B, 2026-12-03: 3-5 % of the decode step at batch 1, 8 and 32); from 64 rows the wgmma kernel and
 dequantise + cuBLAS, which read the standard order only."""
+
+LANE_ORDER = False
+"""Hold the codes in the lane order (`twiddle.to_lane_order`) instead, which the wgmma kernel reads as well as the
+decode and tiled kernels, so that decode steps of up to `LANE_ORDER_MAX_ROWS` rows read it. Built 2026-12-05
+(twenty-third session) without a GPU: the sm_90a wgmma main loop is 22-31 % shorter in it and the decode kernel's
+the same (notes/nvfp4-kernels.md "v12"); off until a GPU run measures the step (`scripts/bench_rollout.py`'s
+``+lane_order`` engines turn it on)."""
+
+LANE_ORDER_MAX_ROWS = 512
+"""Largest batch whose decode steps read the lane order with `LANE_ORDER` (the wgmma and decode kernels' range)."""
 
 
 def _bucket(value: int, step: int) -> int:
@@ -154,6 +165,8 @@ class _DecodeState:
         self.twiddled = False
         """Whether the step was captured for the twiddled codes (`StaticCacheGenerator`'s ``twiddled_decode``); the
         states `compacted` makes inherit it (they are captured inside the same window)."""
+        self.lanes = False
+        """Whether those codes are in the lane order (`LANE_ORDER` when the step was captured), inherited alike."""
         self.smaller: dict[int, _DecodeState] = {}
         """States over the first rows of this one's KV cache (`compacted`), made on first use and kept."""
         self.prefills: dict[tuple[int, int], _PrefillGraph | None] = {}
@@ -195,7 +208,7 @@ class _DecodeState:
             smaller = _DecodeState(self.model, self.backend.first_rows(batch), batch, self.params, self.eos,
                                    self.pad_id, self.tokens.device, self.graph is not None,
                                    capture_at=int(self.cache_position))  # fmt: skip
-            smaller.twiddled = self.twiddled
+            smaller.twiddled, smaller.lanes = self.twiddled, self.lanes
             self.smaller[batch] = smaller
         self.backend.gather_rows(index)
         for name in ("tokens", "positions", "finished", "out", "logprobs", "entropy", "mask"):
@@ -583,9 +596,10 @@ class StaticCacheGenerator:
             self._states = {}  # keep one set of buffers (and one KV cache) alive at a time
             backend = self._backend(batch, cache_len, device)
             twiddled = self._twiddles(batch)
-            with self._twiddled_window(twiddled):  # (the capture's warm-up chooses kernels for the twiddled codes)
+            lanes = twiddled and LANE_ORDER
+            with self._twiddled_window(twiddled, lanes):  # (the capture's warm-up chooses kernels for that order)
                 state = _DecodeState(self.model, backend, batch, params, eos, pad_id, device, self.cuda_graph)
-            state.twiddled = twiddled
+            state.twiddled, state.lanes = twiddled, lanes
             self._states[key] = state
             self.captures += int(self.cuda_graph)
         return self._states[key]
@@ -608,6 +622,8 @@ class StaticCacheGenerator:
             if not all(packed.is_contiguous() for packed in codes)
             else "needs CUDA" if device.type != "cuda"
             else "needs the fused decode step" if self.engine != "fused"
+            else "needs rows of whole 16-byte chunks of codes (LANE_ORDER)"
+            if LANE_ORDER and not all(packed.shape[-1] % twiddle.CHUNK_BYTES == 0 for packed in codes)
             else None
         )  # fmt: skip
         if blocked is not None:
@@ -615,22 +631,22 @@ class StaticCacheGenerator:
                 logger.warning("twiddled_decode=True %s; the codes stay in the standard order", blocked)
                 self._twiddle_off = blocked
             return False
-        if batch > TWIDDLE_MAX_ROWS:  # (this batch only: smaller ones still read the twiddled order)
+        if batch > (LANE_ORDER_MAX_ROWS if LANE_ORDER else TWIDDLE_MAX_ROWS):  # (this batch only)
             return False
         return self.twiddled_decode is True or dtype == torch.bfloat16
 
     @contextlib.contextmanager
-    def _twiddled_window(self, twiddled: bool) -> Iterator[None]:
+    def _twiddled_window(self, twiddled: bool, lanes: bool = False) -> Iterator[None]:
         if not twiddled:
             yield
             return
-        with twiddle.twiddled_codes(self.nvfp4_codes()):
+        with twiddle.twiddled_codes(self.nvfp4_codes(), lanes=lanes):
             yield
 
     def _twiddled(self, state: _DecodeState, new_tokens: int = 2) -> contextlib.AbstractContextManager:
-        """The decode loop's window: the twiddled codes where ``state`` was captured for them and the loop decodes
-        (``new_tokens`` > 1: the prefill draws the first)."""
-        return self._twiddled_window(state.twiddled and new_tokens > 1)
+        """The decode loop's window: the codes in the order ``state`` was captured for (twiddled, or the lane order)
+        where the loop decodes (``new_tokens`` > 1: the prefill draws the first)."""
+        return self._twiddled_window(state.twiddled and new_tokens > 1, state.lanes)
 
 
 def nvfp4_codes(model) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@
 
 #ifndef NVFP4_TWIDDLED
 #define NVFP4_TWIDDLED 0  // 1: each code word in the bit order of `trl_qerl.nvfp4.twiddle` (decode and tiled kernels);
-                          // 2: the lane order (`twiddle.to_lane_order`: the wgmma kernel only)
+                          // 2: the lane order (`twiddle.to_lane_order`: every kernel here and the wgmma kernel)
 #endif
 
 #ifndef NVFP4_ASYNC_STAGES
@@ -245,6 +245,25 @@ __device__ __forceinline__ u32 rotate_right(u32 q, int r) {
   return d;
 }
 
+// Pair i (0..3, known at compile time) of a word in the twiddled bit order (`trl_qerl.nvfp4.twiddle`): the codes
+// (c_{2i}, c_{2i+1}) as a bf16 (E2M1 * 2^-126) or fp16 (E2M1 * 2^-14) pair, one rotation and one mask each in bf16
+// (two for the last pair).
+template <bool BF16>
+__device__ __forceinline__ u32 twiddled_pair(u32 q, int i) {
+  if (BF16) {
+    const u32 m = 0x81C081C0u;
+    if (i == 0) return q & m;
+    if (i == 1) return rotate_right(q, 4) & m;
+    if (i == 2) return rotate_right(q, 10) & m;
+    return (rotate_right(q, 14) & 0x80C080C0u) | (rotate_right(q, 22) & 0x01000100u);
+  }
+  const u32 s = 0x80008000u, g = 0x0E000E00u;  // the same bit order; fp16's magnitude sits 3 bits higher
+  if (i == 0) return (q & s) | (rotate_right(q, 29) & g);
+  if (i == 1) return (rotate_right(q, 4) & s) | (rotate_right(q, 1) & g);
+  if (i == 2) return (rotate_right(q, 10) & s) | (rotate_right(q, 7) & g);
+  return (rotate_right(q, 14) & s) | (rotate_right(q, 11) & 0x06000600u) | (rotate_right(q, 19) & 0x08000800u);
+}
+
 // E2M1 codes of one word -> four 16-bit pairs (c_i, c_{i+4}), i = 0..3, as bf16 (E2M1 * 2^-126) or fp16
 // (E2M1 * 2^-14) bit patterns. With NVFP4_TWIDDLED: the word's bits are permuted (`trl_qerl.nvfp4.twiddle`) so that
 // a rotation and a mask give each bf16 pair, (c_{2i}, c_{2i+1}): 9 instructions per word instead of ~15, and the
@@ -252,19 +271,8 @@ __device__ __forceinline__ u32 rotate_right(u32 q, int r) {
 template <bool BF16>
 __device__ __forceinline__ void decode_word(u32 q, u32 (&p)[4]) {
 #if NVFP4_TWIDDLED
-  if (BF16) {
-    const u32 m = 0x81C081C0u;
-    p[0] = q & m;
-    p[1] = rotate_right(q, 4) & m;
-    p[2] = rotate_right(q, 10) & m;
-    p[3] = (rotate_right(q, 14) & 0x80C080C0u) | (rotate_right(q, 22) & 0x01000100u);
-  } else {  // the same bit order; fp16's magnitude sits 3 bits higher, its sign does not
-    const u32 s = 0x80008000u, g = 0x0E000E00u;
-    p[0] = (q & s) | (rotate_right(q, 29) & g);
-    p[1] = (rotate_right(q, 4) & s) | (rotate_right(q, 1) & g);
-    p[2] = (rotate_right(q, 10) & s) | (rotate_right(q, 7) & g);
-    p[3] = (rotate_right(q, 14) & s) | (rotate_right(q, 11) & 0x06000600u) | (rotate_right(q, 19) & 0x08000800u);
-  }
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = twiddled_pair<BF16>(q, i);
 #else
   const u32 sign = 0x80008000u;
   if (BF16) {
@@ -428,13 +436,17 @@ __device__ __forceinline__ void load_stage(Stage<MT, NT, PREFETCH_X>& st, const 
   }
 }
 
+__device__ __forceinline__ u32 component(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
 // The MMAs of one 128-column block, shared by both kernels. Lane (g, t) holds, for rows g and g + 8 of each m tile,
 // its 16 bytes of codes `w` (columns 32t..32t+31) and their two FP8 block scales `scales` (low byte first);
 // `activations(nt, word)` returns token g of n tile nt's 8 activations of columns 32t + 8 word ... (16 bytes).
+// In the lane order (NVFP4_TWIDDLED 2, the wgmma kernel's: the 16 bytes transposed as 4 x 4, each word twiddled)
+// column pair 4 word + c of the lane is pair `word` of code word c, so step `word` decodes that pair of each code word
+// (the same instructions in all, spread over the steps) and meets the activations as loaded.
 template <int MT, int NT, bool BF16, typename Activations>
 __device__ __forceinline__ void multiply_block(const uint4 (&w)[MT][2], const u32 (&scales)[MT][2],
                                                float (&acc)[MT][NT][4], Activations activations) {
-  static_assert(NVFP4_TWIDDLED != 2 || MT < 0, "the lane order (NVFP4_TWIDDLED=2) is for the wgmma kernel only");
   u32 scale[MT][2][2];  // [m tile][row half][group]
   #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -453,9 +465,14 @@ __device__ __forceinline__ void multiply_block(const uint4 (&w)[MT][2], const u3
     for (int mt = 0; mt < MT; ++mt) {
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
+#if NVFP4_TWIDDLED == 2
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) a[mt][h][c] = twiddled_pair<BF16>(component(w[mt][h], c), word);
+#else
         const uint4 v = w[mt][h];
         const u32 q = word == 0 ? v.x : word == 1 ? v.y : word == 2 ? v.z : v.w;
         decode_word<BF16>(q, a[mt][h]);
+#endif
         #pragma unroll
         for (int i = 0; i < 4; ++i) a[mt][h][i] = mul2<BF16>(a[mt][h][i], scale[mt][h][word >> 1]);
       }
