@@ -91,8 +91,9 @@ decode and tiled kernels, so that decode steps of up to `LANE_ORDER_MAX_ROWS` ro
 the same (notes/nvfp4-kernels.md "v12"); off until a GPU run measures the step (`scripts/bench_rollout.py`'s
 ``+lane_order`` engines turn it on)."""
 
-LANE_ORDER_MAX_ROWS = 512
-"""Largest batch whose decode steps read the lane order with `LANE_ORDER` (the wgmma and decode kernels' range)."""
+LANE_ORDER_MAX_ROWS = 128
+"""Largest batch whose decode steps read the lane order with `LANE_ORDER`: where the shipped choices are CUDA kernels
+(from 256 rows they are dequantise + cuBLAS or Triton for q/k/v and o at 7B, which the window would replace)."""
 
 
 def _bucket(value: int, step: int) -> int:
