@@ -13,8 +13,8 @@ make the products faster?
 
 ``--window``: instead, what the fast engine's decode window costs per rollout (`twiddle.twiddled_codes`: every code
 tensor of the model permuted in place and back), on random codes at the model's projection shapes, with a launch per
-tensor and with each direction one CUDA-graph replay (`twiddle.CAPTURE_PASSES`, the default), against a copy of the
-same bytes (``clone``) in the same run.
+tensor and with each direction one CUDA-graph replay (`twiddle.CAPTURE_PASSES`, the default), and in the lane order
+(replays), against a copy of the same bytes (``clone``) in the same run.
 
 ``--wgmma``: instead, the Hopper wgmma kernel (64+ rows) on codes in the lane order (`twiddle.to_lane_order`, built
 with `twiddle.LANE_ORDER_BUILD`: a 4-byte read and the twiddled 9-instruction decode per row and two k16 steps,
@@ -185,12 +185,12 @@ def median_ms(run, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def window_ms(codes: list[torch.Tensor], repeats: int = 5) -> float:
+def window_ms(codes: list[torch.Tensor], repeats: int = 5, lanes: bool = False) -> float:
     """Median milliseconds of opening and closing the decode window once over ``codes`` (every tensor permuted in
-    place and back: what the twiddled order costs each rollout)."""
+    place and back: what the twiddled order, or with ``lanes`` the lane order, costs each rollout)."""
 
     def window() -> None:
-        with twiddle.twiddled_codes(codes):
+        with twiddle.twiddled_codes(codes, lanes=lanes):
             pass
 
     return median_ms(window, repeats)
@@ -211,6 +211,8 @@ def time_window(config, model: str, repeats: int = 5) -> None:
         twiddle.CAPTURE_PASSES = True
         window_ms(codes, repeats=1)  # (captures both directions)
         captured_ms = window_ms(codes, repeats)
+        window_ms(codes, repeats=1, lanes=True)  # (compiles and captures the lane order's passes)
+        lanes_ms = window_ms(codes, repeats, lanes=True)
     finally:
         twiddle.CAPTURE_PASSES = shipped
     clone_ms = median_ms(lambda: [packed.clone() for packed in codes], repeats)
@@ -223,6 +225,7 @@ def time_window(config, model: str, repeats: int = 5) -> None:
     print(
         f"| window, each direction one graph replay (CAPTURE_PASSES) | {captured_ms:.2f} | {captured_ms / clone_ms:.2f} |"
     )
+    print(f"| window in the lane order, one graph replay each way | {lanes_ms:.2f} | {lanes_ms / clone_ms:.2f} |")
     print(f"| clone every tensor once (baseline) | {clone_ms:.2f} | 1.00 |")
 
 

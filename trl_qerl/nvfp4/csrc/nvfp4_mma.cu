@@ -436,7 +436,9 @@ __device__ __forceinline__ void load_stage(Stage<MT, NT, PREFETCH_X>& st, const 
   }
 }
 
-__device__ __forceinline__ u32 component(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+__device__ __forceinline__ u32 component(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 
 // The MMAs of one 128-column block, shared by both kernels. Lane (g, t) holds, for rows g and g + 8 of each m tile,
 // its 16 bytes of codes `w` (columns 32t..32t+31) and their two FP8 block scales `scales` (low byte first);
