@@ -126,17 +126,18 @@ def time_wgmma_lane_order(config, args) -> None:
             def run(codes, instance, options=()):
                 return lambda: cuda_wgmma.wgmma_matmul(x, codes, instance, options=options)
 
+            def lane_run(instance):
+                return run(lane, instance, twiddle.LANE_ORDER_BUILD)
+
             candidates = cuda_wgmma.wgmma_candidate_configs(m, sum(rows), k)
             row = {"group": name, "m": m, "bf16_us": time_us(lambda: torch.nn.functional.linear(x, dense)),
                    "shipped_us": time_us(shipped_call(x, weights)), "shipped_kernel": str(kernels.chosen(x, weights)),
                    "natural_us": {str(c): time_us(run(weights, c)) for c in candidates},
-                   "lane_us": {str(c): time_us(run(lane, c, twiddle.LANE_ORDER_BUILD)) for c in candidates}}  # fmt: skip
+                   "lane_us": {str(c): time_us(lane_run(c)) for c in candidates}}  # fmt: skip
             natural = min(candidates, key=lambda c: row["natural_us"][str(c)])
             best = min(candidates, key=lambda c: row["lane_us"][str(c)])
             row["best_natural"], row["best_lane"] = str(natural), str(best)
-            row["equal_bits"] = all(
-                torch.equal(run(weights, c)(), run(lane, c, twiddle.LANE_ORDER_BUILD)()) for c in candidates
-            )
+            row["equal_bits"] = all(torch.equal(run(weights, c)(), lane_run(c)()) for c in candidates)
             results.append(row)
             natural_us, same_us = row["natural_us"][str(natural)], row["lane_us"][str(natural)]
             best_us, shipped_us, bf16_us = row["lane_us"][str(best)], row["shipped_us"], row["bf16_us"]

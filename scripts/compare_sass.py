@@ -78,7 +78,8 @@ def compare_cuda_mma(revision: str) -> int:
 
 
 def compare_wgmma(revision: str) -> int:
-    """Differing instances of the wgmma kernel (every shape of `cuda_wgmma.SHAPES`, 3-6 stages, bf16 and fp16, sm_90a)."""
+    """Differing instances of the wgmma kernel (every shape of `cuda_wgmma.SHAPES`, 3-6 stages, bf16 and fp16,
+    sm_90a)."""
     from trl_qerl.nvfp4.cuda_wgmma import SHAPES, WgmmaConfig
 
     builds = [(WgmmaConfig(*shape, stages).name_expression(dtype), "sm_90a") for shape in SHAPES

@@ -31,9 +31,9 @@
 // (decode_word's pairs 0 and 2) turns them into the bf16 / fp16 pairs, times the step's scale pair.
 //
 // Built with NVFP4_TWIDDLED=2, the kernel reads codes in the lane order (trl_qerl/nvfp4/twiddle.py, to_lane_order):
-// each 16-byte chunk's bytes transposed, so that its word t holds lane t's codes of both steps, and each word twiddled.
-// A lane reads that one word and decode_word (twiddled) gives its four pairs for the chunk: 9 instructions and a
-// 4-byte read per row and two steps, where the natural order takes ~2 x 11 and a 16-byte read.
+// each 16-byte chunk's bytes transposed, so that its word t holds lane t's codes of both steps, and each word
+// twiddled. A lane reads that one word and decode_word (twiddled) gives its four pairs for the chunk: 9 instructions
+// and a 4-byte read per row and two steps, where the natural order takes ~2 x 11 and a 16-byte read.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define NVFP4_WGMMA 1
