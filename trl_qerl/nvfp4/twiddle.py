@@ -60,16 +60,20 @@ BF16_DECODE: tuple[tuple[tuple[int, int], ...], ...] = (
 kernel's ``decode_word`` computes; `tests/test_twiddle.py` checks the two agree with `POSITIONS`)."""
 
 
-def _check_codes(packed: torch.Tensor) -> None:
-    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
-        raise ValueError(f"expected uint8 codes with a multiple of 4 bytes per row, got {packed.dtype} {packed.shape}")
+def _check_codes(packed: torch.Tensor, row_bytes: int = 4) -> None:
+    """uint8 codes in rows of whole ``row_bytes`` units (words, or the lane order's 16-byte chunks)."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] % row_bytes:
+        raise ValueError(
+            f"expected uint8 codes with a multiple of {row_bytes} bytes per row (K a multiple of {2 * row_bytes}), "
+            f"got {packed.dtype} {tuple(packed.shape)}"
+        )
 
 
-def _check_in_place(packed: torch.Tensor) -> None:
-    """What rewriting ``packed`` in place needs: contiguous whole words of codes."""
+def _check_in_place(packed: torch.Tensor, lanes: bool = False) -> None:
+    """What rewriting ``packed`` in place needs: contiguous whole words of codes (``lanes``: whole chunks)."""
     if not packed.is_contiguous():
         raise ValueError("permute_ needs contiguous codes (it rewrites them in place)")
-    _check_codes(packed)
+    _check_codes(packed, CHUNK_BYTES if lanes else 4)
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -129,17 +133,9 @@ CHUNK_BYTES = 16
 staging unit)."""
 
 
-def _check_chunks(packed: torch.Tensor) -> None:
-    if packed.dtype != torch.uint8 or packed.shape[-1] % CHUNK_BYTES:
-        raise ValueError(
-            f"expected uint8 codes with a multiple of {CHUNK_BYTES} bytes per row (K a multiple of 32), "
-            f"got {packed.dtype} {tuple(packed.shape)}"
-        )
-
-
 def transpose_chunks(packed: torch.Tensor) -> torch.Tensor:
     """Byte j of word i of every 16-byte chunk of a row moved to byte i of word j (a new tensor; its own inverse)."""
-    _check_chunks(packed)
+    _check_codes(packed, CHUNK_BYTES)
     chunks = packed.contiguous().view(*packed.shape[:-1], -1, 4, 4)
     return chunks.transpose(-1, -2).contiguous().view(packed.shape)
 
@@ -207,9 +203,7 @@ def permute_(packed: torch.Tensor, inverse: bool = False, lanes: bool = False) -
     """`twiddle` (or, with ``inverse``, `untwiddle`) in place, ``packed`` returned: one Triton pass on CUDA (a few ms
     for a 7B model's codes), `twiddle` / `untwiddle` and a copy elsewhere. ``lanes``: `to_lane_order` (or
     `from_lane_order`) instead."""
-    _check_in_place(packed)
-    if lanes:
-        _check_chunks(packed)
+    _check_in_place(packed, lanes)
     if packed.device.type == "cuda":
         _launch_pass(packed, inverse, lanes)
         return packed
@@ -250,9 +244,7 @@ def _captured_passes(codes: Sequence[torch.Tensor], inverse: bool, lanes: bool =
     key = (inverse, lanes, tuple((packed.data_ptr(), packed.numel()) for packed in codes))
     if key not in _GRAPHS:
         for packed in codes:
-            _check_in_place(packed)
-            if lanes:
-                _check_chunks(packed)
+            _check_in_place(packed, lanes)
         _launch_pass(torch.zeros(16, dtype=torch.uint8, device=codes[0].device), inverse, lanes)  # (compiles first)
         graph = torch.cuda.CUDAGraph()
         try:
