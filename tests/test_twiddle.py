@@ -132,22 +132,31 @@ def test_twiddled_main_loop_is_shorter(tmp_path, config):
 
 
 # -- on a GPU -----------------------------------------------------------------------------------------------------
-def _twiddled(weights):
-    return [(twiddle.twiddle(packed), scale, global_scale) for packed, scale, global_scale in weights]
+def _twiddled(weights, lanes: bool = False):
+    """``weights`` with their codes in the twiddled order (``lanes``: the lane order)."""
+    reorder = twiddle.to_lane_order if lanes else twiddle.twiddle
+    return [(reorder(packed), scale, global_scale) for packed, scale, global_scale in weights]
+
+
+ORDERS = pytest.mark.parametrize("lanes", [False, True], ids=["twiddled", "lane_order"])
 
 
 @needs_cuda
+@ORDERS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
-def test_twiddled_build_matches_the_reference(dtype, m):
+@pytest.mark.parametrize("m", [1, 5, 8, 16, 32])
+def test_twiddled_build_matches_the_reference(dtype, m, lanes):
+    """Inside the window (here with no codes of its own, only the switch) every decode-kernel instance on reordered
+    codes gives the float64 reference of the standard codes, in either order; K = 352 leaves a partial last block."""
     generator = torch.Generator().manual_seed(m)
     weights = [quantized(n, 352, generator) for n in (48, 16, 16)]
     x = torch.randn(m, 352, generator=generator).to("cuda", dtype)
     expected = reference(x, weights, [None] * 3)
-    for config in cuda_mma.candidate_configs(m, 80, 352):
-        out = cuda_mma.matmul(x, _twiddled(weights), config, out=poisoned_out(m, 80, dtype), options=TWIDDLED)
-        assert torch.isfinite(out).all(), str(config)
-        assert relative_error(expected, out) < TOLERANCE, str(config)
+    with twiddle.twiddled_codes([], lanes=lanes):
+        for config in cuda_mma.candidate_configs(m, 80, 352):
+            out = cuda_mma.matmul(x, _twiddled(weights, lanes), config, out=poisoned_out(m, 80, dtype))
+            assert torch.isfinite(out).all(), str(config)
+            assert relative_error(expected, out) < TOLERANCE, str(config)
 
 
 @needs_cuda
@@ -166,20 +175,22 @@ def test_twiddled_build_adds_lora_terms(m):
 
 
 @needs_cuda
+@ORDERS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m", [16, 32])
-def test_twiddled_tiled_kernel_matches_the_reference(m):
+def test_twiddled_tiled_kernel_matches_the_reference(m, dtype, lanes):
     """The tiled kernel shares the decode kernel's decode: inside the window (here with no codes of its own, only the
-    switch) its builds read twiddled codes, also with K split."""
+    switch) its builds read twiddled (or lane-ordered) codes, also with K split."""
     generator = torch.Generator().manual_seed(20 + m)
     weights = [quantized(n, 512, generator) for n in (128, 64)]
-    x = torch.randn(m, 512, generator=generator).to("cuda", torch.bfloat16)
+    x = torch.randn(m, 512, generator=generator).to("cuda", dtype)
     expected = reference(x, weights, [None] * 2)
-    twiddled = _twiddled(weights)
+    twiddled = _twiddled(weights, lanes)
     configs = cuda_mma.tile_candidate_configs(m, 192, 512, 132, 227 * 1024)[:6]
     configs.append(cuda_mma.TileConfig(1, 2, 4, 2, split_k=2))
-    with twiddle.twiddled_codes([]):
+    with twiddle.twiddled_codes([], lanes=lanes):
         for config in configs:
-            out = cuda_mma.tile_matmul(x, twiddled, config, out=poisoned_out(m, 192, torch.bfloat16))
+            out = cuda_mma.tile_matmul(x, twiddled, config, out=poisoned_out(m, 192, dtype))
             assert relative_error(expected, out) < TOLERANCE, str(config)
 
 
@@ -326,36 +337,6 @@ def test_decode_kernel_main_loop_in_the_lane_order_is_the_twiddled_ones(tmp_path
     assert resources["LOCAL"] == 0 and resources["REG"] <= twiddled_resources["REG"] + 8
 
 
-def _lane_ordered(weights):
-    return [(twiddle.to_lane_order(packed), scale, global_scale) for packed, scale, global_scale in weights]
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("m", [1, 5, 16, 32])
-def test_decode_and_tiled_kernels_read_the_lane_order(dtype, m):
-    """Inside a lane-order window (here with no codes of its own, only the switch) the decode kernel's instances (and
-    from 16 rows the tiled kernel's, also with K split) on lane-ordered codes give the float64 reference of the
-    standard codes; K = 352 leaves a partial last block."""
-    generator = torch.Generator().manual_seed(40 + m)
-    weights = [quantized(n, 352, generator) for n in (48, 16, 16)]
-    x = torch.randn(m, 352, generator=generator).to("cuda", dtype)
-    expected = reference(x, weights, [None] * 3)
-    lane = _lane_ordered(weights)
-    with twiddle.twiddled_codes([], lanes=True):
-        for config in cuda_mma.candidate_configs(m, 80, 352):
-            out = cuda_mma.matmul(x, lane, config, out=poisoned_out(m, 80, dtype))
-            assert relative_error(expected, out) < TOLERANCE, str(config)
-        if m >= 16:
-            tile_weights = [quantized(n, 512, generator) for n in (128, 64)]
-            xt = torch.randn(m, 512, generator=generator).to("cuda", dtype)
-            expected_tile = reference(xt, tile_weights, [None] * 2)
-            configs = cuda_mma.tile_candidate_configs(m, 192, 512, 132, 227 * 1024)[:6]
-            for config in [*configs, cuda_mma.TileConfig(1, 2, 4, 2, split_k=2)]:
-                out = cuda_mma.tile_matmul(xt, _lane_ordered(tile_weights), config, out=poisoned_out(m, 192, dtype))
-                assert relative_error(expected_tile, out) < TOLERANCE, str(config)
-
-
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m", [64, 100, 257])
@@ -372,7 +353,7 @@ def test_lane_order_wgmma_gives_the_natural_orders_bits(dtype, m):
     biases = [(torch.randn(n, generator=generator) * 0.1).to("cuda", dtype) for n in rows[:2]] + [None]
     x = torch.randn(m, k, generator=generator).to("cuda", dtype)
     expected = reference(x, weights, biases)
-    lane = _lane_ordered(weights)
+    lane = _twiddled(weights, lanes=True)
     configs = cuda_wgmma.wgmma_candidate_configs(m, sum(rows), k) + [
         WgmmaConfig(1, 1, 64, 3), WgmmaConfig(2, 2, 64, 3, split_k=3), WgmmaConfig(1, 1, 256, 3, split_k=2),
     ]  # fmt: skip
@@ -389,7 +370,7 @@ def _random_codes(rows=33, columns=24, seed=0):
     return torch.randint(0, 256, (rows, columns), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("lanes", [False, True], ids=["twiddled", "lane_order"])
+@ORDERS
 @pytest.mark.parametrize("inverse", [False, True], ids=["in", "out"])
 def test_the_triton_pass_permutes_as_the_reference(inverse, lanes):
     """Triton's pass (the interpreter here, compiled on a GPU) over 12 rotation groups equals `twiddle`/`untwiddle`
@@ -567,7 +548,7 @@ def test_engine_keeps_non_contiguous_codes_in_the_standard_order(caplog):
     assert len(warnings) == 1 and "contiguous" in warnings[0]
 
 
-@pytest.mark.parametrize("lanes", [False, True], ids=["twiddled", "lane_order"])
+@ORDERS
 def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_twiddled_one(
     monkeypatch, caplog, lanes
 ):
@@ -602,7 +583,7 @@ def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_
 
 
 @needs_cuda
-@pytest.mark.parametrize("lanes", [False, True], ids=["twiddled", "lane_order"])
+@ORDERS
 @pytest.mark.parametrize("rows", [1, 8, 32, 64])
 def test_engine_decodes_twiddled_codes_as_the_standard_order(rows, lanes, monkeypatch):
     """On a GPU, bf16: the captured, compiled step with the codes twiddled (its state says so, nothing fell back)
