@@ -130,11 +130,12 @@ def _tl(name: str):
 
 def _kernel(name: str):
     """A kernel by name: ``"shrink.<name>"`` / ``"split_kv.<name>"`` in the rollout's kernel modules, else in
-    `nvfp4.kernels`."""
+    `nvfp4._matmul_kernel`."""
+    from trl_qerl.nvfp4 import _matmul_kernel
     from trl_qerl.rollout import _fused_shrink_kernel, _split_kv_kernel
 
     module, _, kernel = name.rpartition(".")
-    return getattr({"": K, "shrink": _fused_shrink_kernel, "split_kv": _split_kv_kernel}[module], kernel)
+    return getattr({"": _matmul_kernel, "shrink": _fused_shrink_kernel, "split_kv": _split_kv_kernel}[module], kernel)
 
 
 def _types(arguments: str) -> dict[str, str]:

@@ -81,8 +81,9 @@ def test_the_vllm_trainer_backend_and_the_server_do_not_import_each_other():
 def test_the_kernel_ops_are_a_leaf_of_the_nvfp4_layer():
     graph = _graph()
     allowed = {"trl_qerl.nvfp4.format", "trl_qerl.nvfp4.cuda_mma", "trl_qerl.nvfp4.cuda_wgmma", "trl_qerl.nvfp4.nvrtc",
-               "trl_qerl.nvfp4.lora_terms", "trl_qerl.nvfp4.twiddle"}  # fmt: skip
+               "trl_qerl.nvfp4.lora_terms", "trl_qerl.nvfp4.twiddle", "trl_qerl.nvfp4._matmul_kernel"}  # fmt: skip
     assert not graph["trl_qerl.nvfp4.kernels"] - allowed
+    assert not graph["trl_qerl.nvfp4._matmul_kernel"]
     assert not graph["trl_qerl.nvfp4.cuda_wgmma"] - {"trl_qerl.nvfp4.cuda_mma", "trl_qerl.nvfp4.nvrtc",
                                                      "trl_qerl.nvfp4.twiddle"}  # fmt: skip
     assert not graph["trl_qerl.nvfp4.cuda_mma"] - {"trl_qerl.nvfp4.nvrtc", "trl_qerl.nvfp4.twiddle"}
