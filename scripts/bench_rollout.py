@@ -108,6 +108,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+twiddle+shrink_beside": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+shrink_beside_all_rows": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+lane_order": dict(engine="fused", compile=True, **_TWIDDLE),
+           "fused+compile+split_kv+twiddle+lane_order+shrink_beside": dict(engine="fused", compile=True, **_TWIDDLE),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -144,8 +145,8 @@ LoRA shrink on a second stream beside its base products (`fused_decode.LORA_SHRI
 compiles, captures and runs). ``+shrink_beside_all_rows``: the same at every row count up to the row kernels' limit,
 up to 16 rows in place of the norm shrinks and the NVFP4 epilogue (`fused_decode.LORA_BESIDE_MIN_ROWS` 1 too).
 ``+lane_order``: the decode window holds the codes in the lane order, which the wgmma kernel reads too, up to
-`fast.LANE_ORDER_MAX_ROWS` rows (`fast.LANE_ORDER` True while that engine captures; captured states keep their
-order)."""
+`fast.LANE_ORDER_MAX_ROWS` rows (`fast.LANE_ORDER` True while that engine captures, False for the other named engines;
+captured states keep their order; the generator's default since 2026-12-05). ``+lane_order+shrink_beside``: both."""
 
 
 def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
@@ -180,8 +181,8 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     ones (read when a layer compiles and at each uncaptured step), ``LORA_ROW_KERNELS = False`` for the ``+lora_cublas``
     ones (read when a layer compiles and at each uncaptured step), ``LORA_SHRINK_BESIDE = True`` for the
     ``+shrink_beside`` ones and also ``LORA_BESIDE_MIN_ROWS = 1`` for the ``+shrink_beside_all_rows`` ones (the
-    same), ``fast.LANE_ORDER = True`` for the ``+lane_order`` ones (read when a decode state is captured); else
-    unchanged."""
+    same), ``fast.LANE_ORDER`` True for the ``+lane_order`` ones and False for the other named ones (read when a
+    decode state is captured; ``default`` keeps the generator's); else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import decode_attention
 
@@ -208,7 +209,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     lane_order = fast.LANE_ORDER
-    fast.LANE_ORDER = lane_order or engine.endswith("+lane_order")
+    fast.LANE_ORDER = "+lane_order" in engine if engine != "default" else lane_order
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS
     decode_attention.MERGE_IN_PARTIALS = merge_in_partials or engine.endswith("+one_launch_attention")
     try:

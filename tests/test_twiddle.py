@@ -272,18 +272,26 @@ def test_the_wgmma_kernel_refuses_the_twiddled_order():
             cuda_wgmma.wgmma_matmul(x, weights, WgmmaConfig(2, 1, 64, 4))
 
 
-def test_rollout_benchmark_lane_order_engine_turns_it_on_and_back_off():
-    """`bench_rollout.py`'s ``+lane_order`` engine: `fast.LANE_ORDER` while it runs, the shipped setting after."""
+@pytest.mark.parametrize(
+    "engine, lanes",
+    [("fused+compile+split_kv+twiddle+lane_order", True), ("fused+compile+split_kv+twiddle+lane_order+shrink_beside", True),
+     ("fused+compile+split_kv+twiddle", False), ("default", True)],
+)  # fmt: skip
+def test_rollout_benchmark_engines_name_the_code_order(engine, lanes):
+    """`bench_rollout.py`'s named engines set `fast.LANE_ORDER` themselves (``+lane_order`` on, ``+twiddle`` alone
+    the twiddled order it measured before the lane order became the default), ``default`` keeps the shipped setting
+    (on); the shipped setting is back after each."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from bench_rollout import ENGINES, engine_environment
 
-    from trl_qerl.rollout import fast
+    from trl_qerl.rollout import fast, fused_decode
 
-    shipped = fast.LANE_ORDER
-    assert ENGINES["fused+compile+split_kv+twiddle+lane_order"]["twiddled_decode"]
-    with engine_environment("fused+compile+split_kv+twiddle+lane_order"):
-        assert fast.LANE_ORDER
-    assert fast.LANE_ORDER == shipped is False
+    assert fast.LANE_ORDER is True and not fused_decode.LORA_SHRINK_BESIDE
+    assert engine == "default" or ENGINES[engine]["twiddled_decode"]
+    with engine_environment(engine):
+        assert fast.LANE_ORDER is lanes
+        assert fused_decode.LORA_SHRINK_BESIDE is engine.endswith("+shrink_beside")
+    assert fast.LANE_ORDER is True and not fused_decode.LORA_SHRINK_BESIDE
 
 
 def test_permute_in_place_to_the_lane_order_round_trips():
@@ -516,6 +524,31 @@ def _nvfp4_model(dtype=torch.float32):
 GREEDY_16 = dict(max_new_tokens=16, temperature=0.0)
 
 
+@pytest.mark.parametrize("blocker", ["odd rows", "not Hopper"])
+def test_engine_holds_the_twiddled_order_where_the_lane_order_cannot_serve(caplog, blocker):
+    """The lane order (the default) needs code rows of whole 16-byte chunks and a Hopper GPU (its wgmma kernel); a
+    model whose K is not a multiple of 32, or another GPU, gets the twiddled order instead (its window up to
+    `fast.TWIDDLE_MAX_ROWS` rows), said once, not the standard one."""
+    from trl_qerl.rollout import fast
+    from trl_qerl.rollout.fast import StaticCacheGenerator
+
+    generator = StaticCacheGenerator(_nvfp4_model(), cuda_graph=False, engine="fused")
+    generator._hopper = lambda: True
+    assert fast.LANE_ORDER and generator._lane_order()
+    if blocker == "odd rows":
+        odd = torch.zeros(4, 24, dtype=torch.uint8)  # rows of 48 codes: words, not chunks
+        generator.nvfp4_codes = lambda: [*StaticCacheGenerator.nvfp4_codes(generator), odd]
+    else:
+        generator._hopper = lambda: False
+    with caplog.at_level(logging.INFO, logger="trl_qerl.rollout.fast"):
+        assert not generator._lane_order() and not generator._lane_order()
+    notes = [
+        r.message for r in caplog.records if "twiddled order (up to 32 rows) instead of the lane order" in r.message
+    ]
+    assert len(notes) == 1 and ("16-byte chunks" if blocker == "odd rows" else "Hopper") in notes[0]
+    assert not StaticCacheGenerator(_nvfp4_model(), cuda_graph=False, engine="fused")._hopper()  # (a CPU model)
+
+
 def test_engine_on_cpu_keeps_the_standard_order(caplog):
     """``twiddled_decode`` needs CUDA: by default nothing is said; asked for, one warning, then standard decoding."""
     from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
@@ -564,6 +597,7 @@ def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_
     generator = StaticCacheGenerator(model, cuda_graph=False, engine="fused")
     codes = [packed.clone() for packed in generator.nvfp4_codes()]
     monkeypatch.setattr(StaticCacheGenerator, "_twiddles", lambda self, batch: self._twiddle_off is None)
+    monkeypatch.setattr(StaticCacheGenerator, "_hopper", lambda self: True)
     monkeypatch.setattr(fast, "LANE_ORDER", lanes)
     windows, real_window = [], twiddle.twiddled_codes
 

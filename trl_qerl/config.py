@@ -120,11 +120,11 @@ class QeRLConfig(GRPOConfig):
             Compile the fused decode step's layer with `torch.compile` (default: on CUDA). Costs a few seconds once
             per run; a compile failure falls back to eager layers with a warning.
         fast_rollout_twiddled_decode (`bool`, *optional*):
-            Hold the NVFP4 codes in the twiddled bit order while the fast backend's decode steps run (permuted in
-            place for the decode loop, restored after it; 3-5 % of a 7B decode step on the H200). Default: on for
-            bf16 NVFP4 models on CUDA with the fused step, up to 32 rows per step; `False` turns it off, `True` also
-            asks for it in fp16 (where it saves nothing). Where a product cannot read that order, one warning, then
-            the standard order.
+            Hold the NVFP4 codes in a kernel-friendly order while the fast backend's decode steps run (permuted in
+            place for the decode loop, restored after it; 3-5 % of a 7B decode step at 1-32 rows on the H200, 5-6 %
+            at 64 rows on an H100). Default: on for bf16 NVFP4 models on CUDA with the fused step, up to 128 rows per
+            step; `False` turns it off, `True` also asks for it in fp16 (where it saves nothing). Where a product
+            cannot read that order, one warning, then the standard order.
         vllm_checkpoint_dir (`str`, *optional*):
             vLLM backend (colocate): the base checkpoint vLLM loads. A directory holding one (e.g. from `trl-qerl
             quantize`, the model you train) is used as is; an empty one receives the base exported from the training
@@ -304,10 +304,10 @@ class QeRLConfig(GRPOConfig):
     fast_rollout_twiddled_decode: bool | None = field(
         default=None,
         metadata={
-            "help": "Hold the NVFP4 codes in the twiddled bit order while the fast backend's decode steps run "
-            "(permuted in place for the decode loop, restored after it; 3-5% of a 7B decode step on the H200). "
-            "Default: on for bf16 NVFP4 models on CUDA with the fused step, up to 32 rows per step; False turns it "
-            "off, True also asks for it in fp16 (where it saves nothing)."
+            "help": "Hold the NVFP4 codes in a kernel-friendly order while the fast backend's decode steps run "
+            "(permuted in place for the decode loop, restored after it; 3-5% of a 7B decode step at 1-32 rows on the "
+            "H200, 5-6% at 64 rows on an H100). Default: on for bf16 NVFP4 models on CUDA with the fused step, up to "
+            "128 rows per step; False turns it off, True also asks for it in fp16 (where it saves nothing)."
         },
     )
 

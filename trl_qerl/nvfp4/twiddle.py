@@ -10,15 +10,16 @@ pairs are in column order, so the activations need no permutation either. The pe
 rotation sets (`POSITIONS`); `untwiddle` restores the standard order.
 
 **The lane order** (`to_lane_order`, built for with `LANE_ORDER_BUILD`; the fast engine holds it with
-`rollout.fast.LANE_ORDER`, off until measured). The wgmma kernel's lane t of a quad needs, per row and k16 step, the
-codes of columns 2t, 2t + 1, 2t + 8 and 2t + 9 (its A fragment): bytes t and 4 + t of the step's 8, which it gathers
-from a 16-byte chunk (two steps) with two PRMTs and a shift before decoding, ~11 instructions per row and step. In
-the lane order the bytes of each 16-byte chunk of a row (4 words x 4 bytes) are transposed, so that word t holds
-exactly lane t's codes of the chunk's two steps (columns 2t, 2t + 1, 2t + 8, 2t + 9, then the same 16 columns on),
-and each word is then twiddled: one 4-byte read and the 9-instruction `decode_word` give the lane its four pairs for
-both steps. Chunks are the TMA boxes' swizzle units, so the staging is unchanged. The decode and tiled kernels read it too: their lane owns a
-whole chunk, and only which of its own columns meet which activations changes (no extra instructions). So a window
-in the lane order serves batches the wgmma kernel computes as well. `from_lane_order` restores the standard order.
+`rollout.fast.LANE_ORDER`, on by default since it measured faster on Hopper). The wgmma kernel's lane t of a quad
+needs, per row and k16 step, the codes of columns 2t, 2t + 1, 2t + 8 and 2t + 9 (its A fragment): bytes t and 4 + t of
+the step's 8, which it gathers from a 16-byte chunk (two steps) with two PRMTs and a shift before decoding, ~11
+instructions per row and step. In the lane order the bytes of each 16-byte chunk of a row (4 words x 4 bytes) are
+transposed, so that word t holds exactly lane t's codes of the chunk's two steps (columns 2t, 2t + 1, 2t + 8, 2t + 9,
+then the same 16 columns on), and each word is then twiddled: one 4-byte read and the 9-instruction `decode_word` give
+the lane its four pairs for both steps. Chunks are the TMA boxes' swizzle units, so the staging is unchanged. The
+decode and tiled kernels read it too: their lane owns a whole chunk, and only which of its own columns meet which
+activations changes (no extra instructions). So a window in the lane order serves batches the wgmma kernel computes as
+well. `from_lane_order` restores the standard order.
 
 Nothing stores either order: every other reader of the codes (the Triton kernels, dequantisation, checkpoints, vLLM)
 knows only the standard one. `twiddled_codes` permutes a model's codes in place (no second copy) for a stretch of

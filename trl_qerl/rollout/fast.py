@@ -28,12 +28,13 @@ draw. If a parameter or buffer moves (``param.data = ...``, a device round trip)
 captures again instead of replaying a graph that reads freed memory. NVFP4 layers run the `trl_qerl::nvfp4_linear`
 custom op inside the graph.
 
-While decode steps run (bf16 NVFP4 models on CUDA, at most `TWIDDLE_MAX_ROWS` rows), the NVFP4 codes are held in the
-twiddled bit order (`trl_qerl.nvfp4.twiddle`): permuted in place before the decode loop and restored after it, so the
-decode kernel needs fewer instructions per weight while everything else (prefill, training, checkpoints) sees the
-standard order. With `LANE_ORDER` (off, not yet measured) they are held in the lane order instead, which the wgmma
-kernel reads too, up to `LANE_ORDER_MAX_ROWS` rows. A product that only a standard-order kernel serves raises inside
-that window, and the generator then logs once and decodes in the standard order from then on.
+While decode steps run (bf16 NVFP4 models on CUDA, at most `LANE_ORDER_MAX_ROWS` rows), the NVFP4 codes are held in
+the lane order (`trl_qerl.nvfp4.twiddle.to_lane_order`): permuted in place before the decode loop and restored after
+it, so the CUDA decode, tiled and wgmma kernels need fewer instructions per weight while everything else (prefill,
+training, checkpoints) sees the standard order. With `LANE_ORDER` off they are held in the twiddled bit order instead,
+which only the decode and tiled kernels read, up to `TWIDDLE_MAX_ROWS` rows. A product that only a standard-order
+kernel serves raises inside that window, and the generator then logs once and decodes in the standard order from then
+on.
 
 Sampling follows transformers' order and semantics: temperature, top-k, top-p, min-p, then a draw from the
 filtered distribution (``temperature=0`` decodes greedily).
@@ -79,17 +80,19 @@ ENGINES = ("auto", "fused", "model")
 
 
 TWIDDLE_MAX_ROWS = 32
-"""Largest batch whose decode steps read the twiddled codes (`StaticCacheGenerator`'s ``twiddled_decode``): up to
-here the CUDA decode and tiled kernels compute the NVFP4 products of the step (the shipped choices; measured gain on
-the H200, 7B, 2026-12-03: 3-5 % of the decode step at batch 1, 8 and 32); from 64 rows the wgmma kernel and
-dequantise + cuBLAS, which read the standard order only."""
+"""Largest batch whose decode steps read the twiddled codes where `LANE_ORDER` is off (`StaticCacheGenerator`'s
+``twiddled_decode``): up to here the CUDA decode and tiled kernels compute the NVFP4 products of the step (measured
+gain on the H200, 7B, 2026-12-03: 3-5 % of the decode step at batch 1, 8 and 32); from 64 rows the wgmma kernel and
+dequantise + cuBLAS, which do not read the twiddled order."""
 
-LANE_ORDER = False
-"""Hold the codes in the lane order (`twiddle.to_lane_order`) instead, which the wgmma kernel reads as well as the
-decode and tiled kernels, so that decode steps of up to `LANE_ORDER_MAX_ROWS` rows read it. Built 2026-12-05
-(twenty-third session) without a GPU: the sm_90a wgmma main loop is 22-31 % shorter in it and the decode kernel's
-the same (notes/nvfp4-kernels.md "v12"); off until a GPU run measures the step (`scripts/bench_rollout.py`'s
-``+lane_order`` engines turn it on)."""
+LANE_ORDER = True
+"""Hold the codes in the lane order (`twiddle.to_lane_order`) instead of the twiddled order: the wgmma kernel reads it
+as well as the decode and tiled kernels, so that decode steps of up to `LANE_ORDER_MAX_ROWS` rows read it. Its sm_90a
+wgmma main loop is 22-31 % shorter (notes/nvfp4-kernels.md "v12"). Hopper GPUs only (elsewhere the twiddled order).
+Measured on an H100 (7B, NVFP4 + LoRA r32 + AQN, 2026-12-05, `scripts/bench_rollout.py`'s ``+lane_order`` engines
+against ``+twiddle`` in one process): decode step 7.83 -> 7.45 and 7.38 ms at batch 64 (two runs, engines in either
+order), 5.73 = 5.73 ms at batch 32, 3.10 -> 3.13 ms at batch 1; the window costs 7.7 ms per rollout instead of 6.1.
+``False`` keeps the twiddled order (the default until then; benchmarks' ``+twiddle`` engines)."""
 
 LANE_ORDER_MAX_ROWS = 128
 """Largest batch whose decode steps read the lane order with `LANE_ORDER`: where the shipped choices are CUDA kernels
@@ -326,12 +329,14 @@ class StaticCacheGenerator:
             length) as CUDA graphs, one per shape, captured after its first eager run; prompt lengths are then
             rounded up to multiples of `PREFILL_LENGTH_BUCKET` (more left padding) so that shapes repeat. Such
             prefills are bound by host launch work, not by the GPU. Default: with ``cuda_graph``, fused engine.
-        twiddled_decode: hold the NVFP4 codes in the twiddled bit order (`trl_qerl.nvfp4.twiddle`) while decode steps
-            run: permuted in place (no copy) before each rollout's decode loop and restored after it, also on an
-            error, so that the CUDA decode kernel decodes them with fewer instructions. Fused engine on CUDA, at most
-            `TWIDDLE_MAX_ROWS` rows. ``None`` (default): on where that holds and the model computes in bf16 (the
-            order saves nothing in fp16); ``True`` also for fp16; ``False`` never. If a product of the step is not
-            served by the decode or tiled kernel, the generator logs once and keeps the standard order from then on.
+        twiddled_decode: hold the NVFP4 codes in a kernel-friendly order (`trl_qerl.nvfp4.twiddle`; the lane order
+            with `LANE_ORDER`, else the twiddled bit order) while decode steps run: permuted in place (no copy)
+            before each rollout's decode loop and restored after it, also on an error, so that the CUDA kernels
+            decode them with fewer instructions. Fused engine on CUDA, at most `LANE_ORDER_MAX_ROWS` rows
+            (`TWIDDLE_MAX_ROWS` in the twiddled order). ``None`` (default): on where that holds and the model
+            computes in bf16 (the order saves nothing in fp16); ``True`` also for fp16; ``False`` never. If a product
+            of the step is not served by a kernel that reads the order, the generator logs once and keeps the
+            standard order from then on.
     """
 
     def __init__(
@@ -374,6 +379,7 @@ class StaticCacheGenerator:
         self._twiddle_off: str | None = None
         """Why the codes stay in the standard order from now on (``twiddled_decode=True`` cannot apply to this model,
         or a product of the step is not served by the decode or tiled kernel)."""
+        self._lane_order_noted = False
         self._states: dict[tuple, _DecodeState] = {}
         self.captures = 0
         """Number of decode-step captures (one per shape bucket and sampling setting) in this process."""
@@ -597,7 +603,7 @@ class StaticCacheGenerator:
             self._states = {}  # keep one set of buffers (and one KV cache) alive at a time
             backend = self._backend(batch, cache_len, device)
             twiddled = self._twiddles(batch)
-            lanes = twiddled and LANE_ORDER
+            lanes = twiddled and self._lane_order()
             with self._twiddled_window(twiddled, lanes):  # (the capture's warm-up chooses kernels for that order)
                 state = _DecodeState(self.model, backend, batch, params, eos, pad_id, device, self.cuda_graph)
             state.twiddled, state.lanes = twiddled, lanes
@@ -623,8 +629,6 @@ class StaticCacheGenerator:
             if not all(packed.is_contiguous() for packed in codes)
             else "needs CUDA" if device.type != "cuda"
             else "needs the fused decode step" if self.engine != "fused"
-            else "needs rows of whole 16-byte chunks of codes (LANE_ORDER)"
-            if LANE_ORDER and not all(packed.shape[-1] % twiddle.CHUNK_BYTES == 0 for packed in codes)
             else None
         )  # fmt: skip
         if blocked is not None:
@@ -632,9 +636,33 @@ class StaticCacheGenerator:
                 logger.warning("twiddled_decode=True %s; the codes stay in the standard order", blocked)
                 self._twiddle_off = blocked
             return False
-        if batch > (LANE_ORDER_MAX_ROWS if LANE_ORDER else TWIDDLE_MAX_ROWS):  # (this batch only)
+        if batch > (LANE_ORDER_MAX_ROWS if self._lane_order() else TWIDDLE_MAX_ROWS):  # (this batch only)
             return False
         return self.twiddled_decode is True or dtype == torch.bfloat16
+
+    def _lane_order(self) -> bool:
+        """Whether the decode window holds the lane order: `LANE_ORDER` on a Hopper GPU (the wgmma kernel, which the
+        order is for, needs compute capability 9.0; elsewhere its gain is unmeasured) where every code row is whole
+        16-byte chunks (K a multiple of 32, as in every Qwen and Llama shape). Otherwise the twiddled order, which
+        needs whole words only (said once)."""
+        if not LANE_ORDER:
+            return False
+        reason = (
+            f"the NVFP4 codes' rows are not whole {twiddle.CHUNK_BYTES}-byte chunks (K a multiple of 32)"
+            if not all(packed.shape[-1] % twiddle.CHUNK_BYTES == 0 for packed in self.nvfp4_codes())
+            else "the wgmma kernel it serves needs a Hopper GPU (compute capability 9.0)"
+            if not self._hopper()
+            else None
+        )  # fmt: skip
+        if reason is not None and not self._lane_order_noted:
+            self._lane_order_noted = True
+            logger.info("%s; decode windows hold the twiddled order (up to %d rows) instead of the lane order "
+                        "(LANE_ORDER)", reason, TWIDDLE_MAX_ROWS)  # fmt: skip
+        return reason is None
+
+    def _hopper(self) -> bool:
+        device = next(self.model.parameters()).device
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
     @contextlib.contextmanager
     def _twiddled_window(self, twiddled: bool, lanes: bool = False) -> Iterator[None]:
