@@ -110,9 +110,14 @@ def _tensor_maps(x: torch.Tensor, weights: Sequence[Weight], config: WgmmaConfig
     return maps
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether ``device`` runs the kernel: a CUDA device of compute capability 9.0 (Hopper; the ``sm_90a`` target)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def supports_wgmma(x: torch.Tensor, weights: Sequence[Weight]) -> bool:
-    """`cuda_mma.supports_tile` on a device of compute capability 9.0 (Hopper)."""
-    return supports_tile(x, weights) and torch.cuda.get_device_capability(x.device) == (9, 0)
+    """`cuda_mma.supports_tile` on a device the kernel `runs_on`."""
+    return supports_tile(x, weights) and runs_on(x.device)
 
 
 def wgmma_matmul(

@@ -348,7 +348,7 @@ def tile_candidates(bucket: int, n: int, k: int, device: torch.device | None,
     limit, hopper = 227 * 1024, True
     if device is not None and device.type == "cuda":
         limit = nvrtc.max_shared_memory_per_block(nvrtc.device_index(device))
-        hopper = torch.cuda.get_device_capability(device) == (9, 0)
+        hopper = cuda_wgmma.runs_on(device)
     configs: list[TileConfig | WgmmaConfig] = []
     if TILE_ROWS[0] <= bucket <= TILE_ROWS[1]:
         configs += cuda_mma.tile_candidate_configs(bucket, n, k, num_sms, limit)

@@ -51,7 +51,7 @@ from typing import NamedTuple, TypeVar
 import torch
 from transformers import StaticCache
 
-from ..nvfp4 import twiddle
+from ..nvfp4 import cuda_wgmma, twiddle
 from ..nvfp4.linear import NVFP4A16Linear
 from .decoder_spec import UnsupportedDecoder, read_decoder
 from .fused_decode import DECODE_ATTENTION, FusedDecoder
@@ -661,8 +661,7 @@ class StaticCacheGenerator:
         return reason is None
 
     def _hopper(self) -> bool:
-        device = next(self.model.parameters()).device
-        return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+        return cuda_wgmma.runs_on(next(self.model.parameters()).device)
 
     @contextlib.contextmanager
     def _twiddled_window(self, twiddled: bool, lanes: bool = False) -> Iterator[None]:
