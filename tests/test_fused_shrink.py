@@ -138,28 +138,6 @@ def test_split_rows_leave_their_counters_at_zero_for_the_next_launch():
         assert int(arrival_counters(gate.device, 1).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("rows", [1, 4], ids=["per_row", "every_row"])
-def test_unrolled_split_sums_equal_the_plain_loop(monkeypatch, rows):
-    """`REDUCE_UNROLL` only reorders when the partials' loads are issued: a SiLU·up shrink split over spans (one row
-    per program, and every row per program) gives the plain loop's sums bit for bit, in blocks of 2 (one left over
-    where the spans are odd) and of 16 (all spans in one block)."""
-    from trl_qerl.nvfp4.cuda_mma import arrival_counters
-    from trl_qerl.rollout import _fused_shrink_kernel as kernel
-
-    gate, up = _case(rows, 18000, (), torch.bfloat16, seed=rows)[0].split(9000, dim=1)
-    lora_a = _case(rows, 9000, (32,), torch.bfloat16, seed=rows + 10)[2]
-    outputs = {}
-    for setting in (1, 2, 16):
-        monkeypatch.setattr(kernel, "REDUCE_UNROLL", setting)
-        y, t = _poisoned(gate), _poisoned(gate, torch.float32, 32)
-        kernel.silu_mul_shrink(gate, up, lora_a, y, t)
-        assert int(arrival_counters(gate.device, 16).abs().sum()) == 0
-        outputs[setting] = (y, t)
-    _assert_shrink(outputs[1][1], outputs[1][0], lora_a)
-    for setting in (2, 16):
-        assert torch.equal(outputs[1][0], outputs[setting][0]) and torch.equal(outputs[1][1], outputs[setting][1])
-
-
 def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
     from trl_qerl.rollout._fused_shrink_kernel import TILE, block_k, rank_block
 
@@ -237,7 +215,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
     first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
-    assert len(resources) == 10
+    assert len(resources) == 9
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
@@ -258,12 +236,11 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
         return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
     results = {}
-    for rows, splits, unroll in ((16, 2, 1), (8, 1, 1), (8, 4, 1), (16, 15, 8)):
+    for rows, splits in ((16, 2), (8, 1), (8, 4)):
         padded, block, columns, _ = K.rows_layout(rows, 18944, [32])
-        constexprs = dict(OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits,
-                          REDUCE_UNROLL=unroll)  # fmt: skip
+        constexprs = dict(OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits)
         compiled = compile_for_hopper(K._silu_mul_shrink_rows_kernel, constexprs, K.ROWS_WARPS)
-        results[f"silu {rows} {splits} {unroll}"] = resources_of(compiled.asm["cubin"], folder)
+        results[f"silu {rows} {splits}"] = resources_of(compiled.asm["cubin"], folder)
     for rows, block in ((1, 2), (2, 2), (4, 1), (8, 1)):  # the widest A tile `rank_block` gives at 7B width
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=K.block_k(3584),
                           ROWS=rows, ONE_STEP=True)  # fmt: skip

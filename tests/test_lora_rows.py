@@ -99,25 +99,6 @@ def test_split_columns_leave_their_counters_at_zero_for_the_next_launch():
     assert torch.equal(sums[0], sums[1])
 
 
-@pytest.mark.parametrize("unroll", [3, 8, 64])
-def test_unrolled_split_sums_equal_the_plain_loop(monkeypatch, unroll):
-    """`REDUCE_UNROLL` only reorders when the partials' loads are issued: 47 column spans summed in blocks of 3 (two
-    left over) or 8 (seven left over), or all unrolled (64), give the plain loop's sums bit for bit, and leave the
-    counters at zero."""
-    from trl_qerl.nvfp4.cuda_mma import arrival_counters
-    from trl_qerl.rollout import _lora_rows_kernel as kernel
-
-    x, lora_a, _, _ = _case(20, 9000, (32,), (8,), torch.bfloat16, seed=3)
-    assert kernel.shrink_layout(20, 9000, [32])[4] == 47
-    sums = {}
-    for setting in (1, unroll):
-        monkeypatch.setattr(kernel, "REDUCE_UNROLL", setting)
-        sums[setting] = _poisoned((20, 32), torch.float32)
-        kernel.shrink_rows(x, lora_a, sums[setting])
-        assert int(arrival_counters(x.device, 1).abs().sum()) == 0
-    assert not sums[1].isnan().any() and torch.equal(sums[1], sums[unroll])
-
-
 def test_shrink_layout_splits_columns_into_whole_steps_up_to_the_program_target():
     from trl_qerl.rollout import _lora_rows_kernel as kernel
 
@@ -228,7 +209,7 @@ def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch):
 def test_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at their
     largest tiles (64 rows, rank blocks of 32 or the FMA tile, rank 64), both kernels keep their tiles in registers in
-    every multiplying mode, the shrink with 64 column spans summed in unrolled blocks of 8 (`REDUCE_UNROLL`)."""
+    every multiplying mode."""
     resources = compiled_in_subprocess(__file__, tmp_path)
     assert len(resources) == 4
     for kernel, usage in resources.items():
@@ -258,7 +239,7 @@ def _kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
     results = {}
     for mode in (1, 2):
         block_r, block_k = (K.FMA_BLOCK_R, K.FMA_BLOCK_K) if mode == 2 else (32, K.BLOCK_K)
-        shrink = dict(BLOCK_M=64, BLOCK_R=block_r, BLOCK_K=block_k, SPLITS=64, MODE=mode, REDUCE_UNROLL=8)
+        shrink = dict(BLOCK_M=64, BLOCK_R=block_r, BLOCK_K=block_k, SPLITS=4, MODE=mode)
         expand = dict(OUT=triton.language.bfloat16, BLOCK_M=64, BLOCK_N=K.BLOCK_N, RANK=64, RANK_STEP=K.RANK_STEP,
                       MODE=mode)  # fmt: skip
         for name, kernel, constexprs in (("shrink", K._shrink_rows_kernel, shrink),

@@ -59,10 +59,6 @@ ROWS_BLOCK_K = 1024
 """Most columns per step of that kernel."""
 ROWS_WARPS = 4
 """Measured on the H200 (7B SiLU·up, 2026-12-02): 4 warps 7.8 / 11.3 µs at 8 / 16 rows, 8 warps 11.3 / 16.6."""
-REDUCE_UNROLL = 1
-"""Loads per unrolled block of the sum over split partials that the last program to arrive makes (`_store_splits`; 1:
-a plain loop, one load, then its add). Unmeasured above 1: `scripts/bench_fused_shrink.py --variants REDUCE_UNROLL=8`
-times it."""
 ROWS_REGISTERS = 64
 """Bound on the accumulator's registers per thread: ``ROWS x BLOCK_R x BLOCK_K / (32 x ROWS_WARPS)``."""
 ROWS_PROGRAMS = 264
@@ -119,28 +115,19 @@ def _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL: tl.constexpr, OUT
 
 @triton.jit
 def _store_splits(value, targets, mask, partial_ptr, count_ptr, slot, split, offsets,
-                  SIZE: tl.constexpr, SPLITS: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+                  SIZE: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
     """Store ``value`` at ``targets``, or, where the columns are split over ``SPLITS`` programs, leave it as split
     ``split`` of scratch slot ``slot`` (``SIZE`` elements, ``value`` at ``offsets``): the slot's last program to
     arrive adds the partials in split order (the same sum on every launch), stores them and resets the slot's counter
-    for the next launch (so graph replays need no memset). ``UNROLL`` above 1 writes that sum's loop in unrolled
-    blocks of as many loads (`REDUCE_UNROLL`); the sum and its order stay the same."""
+    for the next launch (so graph replays need no memset)."""
     if SPLITS == 1:
         tl.store(targets, value, mask=mask)
     else:
-        slots = partial_ptr + slot * SPLITS * SIZE + offsets
-        tl.store(slots + split * SIZE, value)
+        tl.store(partial_ptr + (slot * SPLITS + split) * SIZE + offsets, value)
         if last_to_arrive(count_ptr, slot, SPLITS):
             total = tl.zeros_like(value)
-            if UNROLL == 1:
-                for other in range(SPLITS):
-                    total += tl.load(slots + other * SIZE, cache_modifier=".cg")
-            else:  # unrolled blocks: their loads are independent of the adds, so they can be in flight together
-                for first in range(0, SPLITS - SPLITS % UNROLL, UNROLL):
-                    for other in tl.static_range(UNROLL):
-                        total += tl.load(slots + (first + other) * SIZE, cache_modifier=".cg")
-                for other in tl.static_range(SPLITS - SPLITS % UNROLL, SPLITS):
-                    total += tl.load(slots + other * SIZE, cache_modifier=".cg")
+            for other in range(SPLITS):
+                total += tl.load(partial_ptr + (slot * SPLITS + other) * SIZE + offsets, cache_modifier=".cg")
             tl.store(targets, total, mask=mask)
             reset_arrivals(count_ptr, slot)
 
@@ -221,7 +208,7 @@ def _norm_shrink_kernel(
 def _silu_mul_shrink_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
     width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
-    OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
+    OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     block = tl.program_id(1)
@@ -245,8 +232,7 @@ def _silu_mul_shrink_kernel(
         acc += tl.sum(a * y.to(tl.float32)[None, :], axis=1)
     slot = row * tl.num_programs(1) + block
     targets = t_ptr + row * stride_t + first + ranks
-    _store_splits(acc, targets, None, partial_ptr, count_ptr, slot, tl.program_id(2), ranks, BLOCK_R, SPLITS,
-                  REDUCE_UNROLL)  # fmt: skip
+    _store_splits(acc, targets, None, partial_ptr, count_ptr, slot, tl.program_id(2), ranks, BLOCK_R, SPLITS)
 
 
 @triton.jit
@@ -254,7 +240,6 @@ def _silu_mul_shrink_rows_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
     rows, width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
     OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    REDUCE_UNROLL: tl.constexpr,
 ):  # fmt: skip
     row_ids = tl.arange(0, ROWS)
     live = row_ids < rows
@@ -281,8 +266,7 @@ def _silu_mul_shrink_rows_kernel(
     targets = t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :]
     part = tl.sum(acc, axis=2)
     slot, split = tl.program_id(0), tl.program_id(1)
-    _store_splits(part, targets, live[:, None], partial_ptr, count_ptr, slot, split, tile, ROWS * BLOCK_R, SPLITS,
-                  REDUCE_UNROLL)  # fmt: skip
+    _store_splits(part, targets, live[:, None], partial_ptr, count_ptr, slot, split, tile, ROWS * BLOCK_R, SPLITS)
 
 
 def block_k(width: int, limit: int = MAX_BLOCK_K) -> int:
@@ -337,9 +321,7 @@ def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tenso
     blocks, splits = t.shape[1] // block, triton.cdiv(width, span)
     partials = t.new_empty(blocks * splits * padded * block) if splits > 1 else t
     counters = arrival_counters(t.device, blocks) if splits > 1 else t
-    meta = dict(
-        ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, REDUCE_UNROLL=REDUCE_UNROLL, num_warps=ROWS_WARPS
-    )
+    meta = dict(ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=ROWS_WARPS)
     return (blocks, splits), span, partials, counters, meta
 
 
@@ -386,6 +368,5 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
     _silu_mul_shrink_kernel[(rows, blocks, splits)](
         gate, up, a0, a1, a2, y, t, partials, counters, width, span, rank0, rank1,
         gate.stride(0), up.stride(0), y.stride(0), t.stride(0),
-        OUT=_DTYPES[y.dtype], BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, REDUCE_UNROLL=REDUCE_UNROLL,
-        num_warps=_warps(columns),
+        OUT=_DTYPES[y.dtype], BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=_warps(columns),
     )  # fmt: skip

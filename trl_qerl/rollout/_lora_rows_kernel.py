@@ -50,9 +50,6 @@ FMA_BLOCK_R = 4
 """A rows per shrink program in mode 2."""
 FMA_BLOCK_K = 32
 """Columns per step of the shrink in mode 2 (the tile: ``BLOCK_M x FMA_BLOCK_R x FMA_BLOCK_K`` fp32)."""
-REDUCE_UNROLL = 1
-"""Loads per unrolled block of the sum over the column spans' partials (`_fused_shrink_kernel._store_splits`; 1: a plain
-loop). Unmeasured above 1: `scripts/bench_lora_rows.py --variants REDUCE_UNROLL=8` times it."""
 
 
 @triton.jit
@@ -60,7 +57,7 @@ def _shrink_rows_kernel(
     x_ptr, a0, a1, a2, t_ptr, partial_ptr, count_ptr,
     rows, width, span, rank0, rank1, stride_x, stride_t,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    MODE: tl.constexpr, REDUCE_UNROLL: tl.constexpr,
+    MODE: tl.constexpr,
 ):  # fmt: skip
     first = tl.program_id(0) * BLOCK_R
     base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
@@ -89,7 +86,7 @@ def _shrink_rows_kernel(
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + ranks[None, :]
     targets = t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :]
     _store_splits(acc, targets, live[:, None], partial_ptr, count_ptr, slot, tl.program_id(2), tile,
-                  BLOCK_M * BLOCK_R, SPLITS, REDUCE_UNROLL)  # fmt: skip
+                  BLOCK_M * BLOCK_R, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -196,8 +193,7 @@ def shrink_rows(x: torch.Tensor, lora_a: list[torch.Tensor], t: torch.Tensor, la
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     _shrink_rows_kernel[grid](
         x, a0, a1, a2, t, partials, counters, rows, width, span, rank0, rank1, x.stride(0), t.stride(0),
-        BLOCK_M=m, BLOCK_R=r, BLOCK_K=step_columns(mode), SPLITS=splits, MODE=mode, REDUCE_UNROLL=REDUCE_UNROLL,
-        num_warps=WARPS,
+        BLOCK_M=m, BLOCK_R=r, BLOCK_K=step_columns(mode), SPLITS=splits, MODE=mode, num_warps=WARPS,
         num_stages=STAGES,
     )  # fmt: skip
 
