@@ -144,9 +144,12 @@ False while that engine compiles, captures and runs). ``+shrink_beside``: above 
 LoRA shrink on a second stream beside its base products (`fused_decode.LORA_SHRINK_BESIDE` True while that engine
 compiles, captures and runs). ``+shrink_beside_all_rows``: the same at every row count up to the row kernels' limit,
 up to 16 rows in place of the norm shrinks and the NVFP4 epilogue (`fused_decode.LORA_BESIDE_MIN_ROWS` 1 too).
-``+lane_order``: the decode window holds the codes in the lane order, which the wgmma kernel reads too, up to
-`fast.LANE_ORDER_MAX_ROWS` rows (`fast.LANE_ORDER` True while that engine captures, False for the other named engines;
-captured states keep their order; the generator's default since 2026-12-05). ``+lane_order+shrink_beside``: both."""
+The other named engines have it off (``default``: the generator's default, on from `fused_decode.LORA_BESIDE_MIN_ROWS`
+rows since 2026-12-05; the ``+shrink_beside`` engines take it from the row kernels' first row, 17, as they did when
+they were measured). ``+lane_order``: the decode window holds the codes in the lane order, which the wgmma kernel reads
+too, up to `fast.LANE_ORDER_MAX_ROWS` rows (`fast.LANE_ORDER` True while that engine captures, False for the other
+named engines; captured states keep their order; the generator's default since 2026-12-05).
+``+lane_order+shrink_beside``: both."""
 
 
 def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
@@ -179,10 +182,10 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     graphs keep the launch), the shrink kernels' settings for the ``+norm_shrink_before`` and ``+shrink_settings``
     ones (read at each launch: captured graphs keep them), ``ADD_IN_NEXT_NORM = False`` for the ``+add_in_layer``
     ones (read when a layer compiles and at each uncaptured step), ``LORA_ROW_KERNELS = False`` for the ``+lora_cublas``
-    ones (read when a layer compiles and at each uncaptured step), ``LORA_SHRINK_BESIDE = True`` for the
-    ``+shrink_beside`` ones and also ``LORA_BESIDE_MIN_ROWS = 1`` for the ``+shrink_beside_all_rows`` ones (the
-    same), ``fast.LANE_ORDER`` True for the ``+lane_order`` ones and False for the other named ones (read when a
-    decode state is captured; ``default`` keeps the generator's); else unchanged."""
+    ones (read when a layer compiles and at each uncaptured step), ``LORA_SHRINK_BESIDE`` True from 17 rows for the
+    ``+shrink_beside`` ones, from 1 row (``LORA_BESIDE_MIN_ROWS``) for the ``+shrink_beside_all_rows`` ones and False
+    for the other named ones (the same), ``fast.LANE_ORDER`` True for the ``+lane_order`` ones and False for the other
+    named ones (read when a decode state is captured); ``default`` keeps the generator's settings; else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import decode_attention
 
@@ -203,9 +206,10 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     row_kernels = fused_decode.LORA_ROW_KERNELS
     fused_decode.LORA_ROW_KERNELS = row_kernels and not engine.endswith("+lora_cublas")
     beside, beside_rows = fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS
-    all_rows = engine.endswith("+shrink_beside_all_rows")
-    fused_decode.LORA_SHRINK_BESIDE = beside or all_rows or engine.endswith("+shrink_beside")
-    fused_decode.LORA_BESIDE_MIN_ROWS = 1 if all_rows else beside_rows
+    if engine != "default":  # named engines measure what they measured before the shrink beside became the default
+        all_rows = engine.endswith("+shrink_beside_all_rows")
+        fused_decode.LORA_SHRINK_BESIDE = all_rows or engine.endswith("+shrink_beside")
+        fused_decode.LORA_BESIDE_MIN_ROWS = 1 if all_rows else fused_decode.LORA_REDUCTION_ROWS + 1
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     lane_order = fast.LANE_ORDER

@@ -119,9 +119,10 @@ def _tiny_layer(rank: int = 16, target_modules=None):
 
 
 def test_the_step_takes_the_op_only_where_it_applies(monkeypatch):
-    """Switched on, above `LORA_REDUCTION_ROWS` rows and up to `LORA_ROW_KERNELS_MAX` (where the row kernels run:
-    here, on CPU, as torch formulas) every group whose projections all have one adapter goes through the op, with the
-    two-launch path's outputs bit for bit; at the limits, switched off, or with the row kernels off, it does not."""
+    """Switched on, from `LORA_BESIDE_MIN_ROWS` rows up to `LORA_ROW_KERNELS_MAX` (where the row kernels run: here, on
+    CPU, as torch formulas) every group whose projections all have one adapter goes through the op, with the two-launch
+    path's outputs bit for bit; outside those rows (between the epilogue's limit and the least rows, the two-launch
+    path), switched off, or with the row kernels off, it does not."""
     from _tiny import record_calls
 
     layer = _tiny_layer()
@@ -129,9 +130,10 @@ def test_the_step_takes_the_op_only_where_it_applies(monkeypatch):
     calls = record_calls(monkeypatch, fused_decode, ("products_lora_beside",))
     monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
     monkeypatch.setattr(fused_decode, "LORA_EPILOGUE", False)
-    limit, most = fused_decode.LORA_REDUCTION_ROWS, fused_decode.LORA_ROW_KERNELS_MAX
-    cases = [(limit, True, True, False), (limit + 1, True, True, True), (most, True, True, True),
-             (most + 1, True, True, False), (limit + 1, False, True, False), (limit + 1, True, False, False)]  # fmt: skip
+    least, most = fused_decode.LORA_BESIDE_MIN_ROWS, fused_decode.LORA_ROW_KERNELS_MAX
+    assert fused_decode.LORA_REDUCTION_ROWS < least - 1
+    cases = [(least - 1, True, True, False), (least, True, True, True), (most, True, True, True),
+             (most + 1, True, True, False), (least, False, True, False), (least, True, False, False)]  # fmt: skip
     for rows, beside, row_kernels, taken in cases:
         x = torch.randn(rows, width, dtype=torch.bfloat16)
         for group in (layer.qkv, layer.gate_up, (layer.o,)):
@@ -159,7 +161,7 @@ def test_the_gate_and_the_op_trace_in_one_graph(monkeypatch):
     calls = record_calls(monkeypatch, fused_decode, ("products_lora_beside",))
     monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
     monkeypatch.setattr(fused_decode, "LORA_SHRINK_BESIDE", True)
-    x = torch.randn(fused_decode.LORA_REDUCTION_ROWS + 4, layer.qkv[0].packed.shape[1] * 2, dtype=torch.bfloat16)
+    x = torch.randn(fused_decode.LORA_BESIDE_MIN_ROWS + 4, layer.qkv[0].packed.shape[1] * 2, dtype=torch.bfloat16)
     torch._dynamo.reset()
     traced = torch.compile(fused_decode.project, fullgraph=True, backend="aot_eager")
     with torch.no_grad():  # as rollouts run
@@ -215,7 +217,7 @@ def test_groups_with_a_projection_without_its_adapter_keep_the_two_launch_path(m
     calls = record_calls(monkeypatch, fused_decode, ("products_lora_beside", "lora_shrink_rows"))
     monkeypatch.setattr(fused_decode, "runs_triton", lambda x: True)
     monkeypatch.setattr(fused_decode, "LORA_SHRINK_BESIDE", True)
-    x = torch.randn(fused_decode.LORA_REDUCTION_ROWS + 4, layer.qkv[0].packed.shape[1] * 2, dtype=torch.bfloat16)
+    x = torch.randn(fused_decode.LORA_BESIDE_MIN_ROWS, layer.qkv[0].packed.shape[1] * 2, dtype=torch.bfloat16)
     fused_decode.project(x, layer.qkv)
     assert calls == {"lora_shrink_rows": True}
     calls.clear()
@@ -231,16 +233,23 @@ def test_the_decoder_names_groups_that_keep_the_serial_path():
 
 
 def test_rollout_benchmark_engine_turns_it_on_and_back_off():
-    """`bench_rollout.py`'s ``+shrink_beside`` engine: the op while it runs, the shipped setting after."""
+    """`bench_rollout.py`'s ``+shrink_beside`` engine: the op from the row kernels' first row (17, as measured before it
+    became the default from 33) while it runs, the other named engines without it, ``default`` with the shipped
+    setting, and the shipped setting after each."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from bench_rollout import ENGINES, engine_environment
 
     shipped = fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS
     assert ENGINES["fused+compile+split_kv+twiddle+shrink_beside"]["twiddled_decode"]
+    assert shipped == (True, 33)
     with engine_environment("fused+compile+split_kv+twiddle+shrink_beside"):
-        assert fused_decode.LORA_SHRINK_BESIDE and fused_decode.LORA_BESIDE_MIN_ROWS == shipped[1]
+        assert fused_decode.LORA_SHRINK_BESIDE and fused_decode.LORA_BESIDE_MIN_ROWS == 17
     with engine_environment("fused+compile+split_kv+twiddle+shrink_beside_all_rows"):
         assert fused_decode.LORA_SHRINK_BESIDE and fused_decode.LORA_BESIDE_MIN_ROWS == 1
+    with engine_environment("fused+compile+split_kv+twiddle"):
+        assert not fused_decode.LORA_SHRINK_BESIDE
+    with engine_environment("default"):
+        assert (fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS) == shipped
     assert (fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS) == shipped
 
 
@@ -312,11 +321,15 @@ def test_captured_graph_replays_over_new_inputs_on_cuda():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_captured_compiled_step_with_the_shrink_beside_on_cuda(monkeypatch):
-    """20 rows: a captured step compiled with the op (conftest fails the test if it fell back to eager layers) samples
-    what the two-launch path samples, with the same log-probs (the same kernels and sums)."""
+    """40 rows (the op's shipped rows start at `LORA_BESIDE_MIN_ROWS`, 33): a captured step compiled with the op
+    (conftest fails the test if it fell back to eager layers) samples what the two-launch path samples, with the same
+    log-probs (the same kernels and sums)."""
     from _tiny import fused_samples_with_and_without
 
-    samples, _ = fused_samples_with_and_without(monkeypatch, "LORA_SHRINK_BESIDE", ("products_lora_beside",))
+    prompts = [[5 + i % 7, 6, 7 + i % 3] for i in range(40)]
+    samples, _ = fused_samples_with_and_without(
+        monkeypatch, "LORA_SHRINK_BESIDE", ("products_lora_beside",), prompts=prompts
+    )
     ours, theirs = samples[True], samples[False]
     assert ours.completion_ids == theirs.completion_ids
     for a_lp, b_lp in zip(ours.logprobs, theirs.logprobs):

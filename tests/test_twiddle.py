@@ -280,18 +280,19 @@ def test_the_wgmma_kernel_refuses_the_twiddled_order():
 def test_rollout_benchmark_engines_name_the_code_order(engine, lanes):
     """`bench_rollout.py`'s named engines set `fast.LANE_ORDER` themselves (``+lane_order`` on, ``+twiddle`` alone
     the twiddled order it measured before the lane order became the default), ``default`` keeps the shipped setting
-    (on); the shipped setting is back after each."""
+    (on); the shrink beside likewise (on only in ``+shrink_beside`` engines and ``default``); the shipped settings are
+    back after each."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from bench_rollout import ENGINES, engine_environment
 
     from trl_qerl.rollout import fast, fused_decode
 
-    assert fast.LANE_ORDER is True and not fused_decode.LORA_SHRINK_BESIDE
+    assert fast.LANE_ORDER is True and fused_decode.LORA_SHRINK_BESIDE
     assert engine == "default" or ENGINES[engine]["twiddled_decode"]
     with engine_environment(engine):
         assert fast.LANE_ORDER is lanes
-        assert fused_decode.LORA_SHRINK_BESIDE is engine.endswith("+shrink_beside")
-    assert fast.LANE_ORDER is True and not fused_decode.LORA_SHRINK_BESIDE
+        assert fused_decode.LORA_SHRINK_BESIDE is (engine == "default" or engine.endswith("+shrink_beside"))
+    assert fast.LANE_ORDER is True and fused_decode.LORA_SHRINK_BESIDE
 
 
 def test_permute_in_place_to_the_lane_order_round_trips():

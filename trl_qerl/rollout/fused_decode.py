@@ -114,15 +114,17 @@ keep that path. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s `
 LORA_ROW_KERNELS_MAX = 128
 """Most rows `LORA_ROW_KERNELS` takes (decode batches; longer prefills keep cuBLAS)."""
 
-LORA_SHRINK_BESIDE = False
+LORA_SHRINK_BESIDE = True
 """Where `LORA_ROW_KERNELS` takes a group whose every projection has an adapter, launch its shrink on a second stream
 beside its base products and join before the expand (`lora_beside.products_lora_beside`: the same kernels and
-numbers, one custom op per group). Built 2026-12-04 (twenty-second session) without a GPU: off until a GPU run
-measures the step (`scripts/bench_rollout.py`'s ``+shrink_beside`` engines turn it on)."""
+numbers, one custom op per group), from `LORA_BESIDE_MIN_ROWS` rows. Measured on an H100 (7B decode step, NVFP4 + LoRA
++ AQN, lane order, 2026-12-05, BENCHMARKS.md): 7.27 -> 7.09 ms at 64 rows, 9.90 -> 9.30 at 128; at 32 rows it lost
+(5.81 -> 5.94 in the twiddled order) and at 8 (3.69 -> 4.13). ``False``: every group on the serial path."""
 
-LORA_BESIDE_MIN_ROWS = LORA_REDUCTION_ROWS + 1
-"""Fewest rows `LORA_SHRINK_BESIDE` takes. Lower (a benchmark switch: ``+shrink_beside_all_rows`` engines set 1), the
-groups of smaller steps take it too, in place of the shrink made with the norm (`FUSED_SHRINK`) and the terms added in
+LORA_BESIDE_MIN_ROWS = 33
+"""Fewest rows `LORA_SHRINK_BESIDE` takes: 33, above the 32-row steps where it measured slower. Lower (a benchmark
+switch: ``+shrink_beside`` engines set 17, ``+shrink_beside_all_rows`` engines 1), the groups of smaller steps take it
+too, in place of the shrink made with the norm (`FUSED_SHRINK`) and the terms added in
 the NVFP4 epilogue (`LORA_EPILOGUE`): a plain norm, the products with the shrink beside them, and an expand launch. The
 question it asks: whether hiding a shrink beside the product pays for the expand launch it brings back."""
 
