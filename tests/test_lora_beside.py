@@ -225,11 +225,44 @@ def test_groups_with_a_projection_without_its_adapter_keep_the_two_launch_path(m
     assert calls == {"products_lora_beside": True}
 
 
-def test_the_decoder_names_groups_that_keep_the_serial_path():
-    """What `FusedDecoder` logs when the op is on: the groups where some projection has no adapter."""
+def test_the_decoder_names_groups_that_keep_the_serial_path(monkeypatch):
+    """What `FusedDecoder` logs when the op is on: the groups where some projection has no adapter, for decoders of
+    `LORA_BESIDE_MIN_ROWS` rows and more on CUDA only (smaller steps do not take the op)."""
+    from types import SimpleNamespace
+
     assert fused_decode._groups_without_beside(_tiny_layer()) == ""
     some = _tiny_layer(target_modules=("q_proj", "v_proj", "o_proj", "gate_proj"))
     assert fused_decode._groups_without_beside(some) == "q/k/v, gate/up"
+    spec, cuda = SimpleNamespace(layers=[some]), torch.device("cuda")
+    least = fused_decode.LORA_BESIDE_MIN_ROWS
+    note = fused_decode._lora_path_note(spec, least, cuda)
+    assert note is not None and "q/k/v, gate/up" in note and "not beside them" in note
+    assert fused_decode._lora_path_note(spec, least - 1, cuda) is None
+    assert fused_decode._lora_path_note(spec, least, torch.device("cpu")) is None
+    assert fused_decode._lora_path_note(SimpleNamespace(layers=[_tiny_layer()]), least, cuda) is None
+    monkeypatch.setattr(fused_decode, "LORA_SHRINK_BESIDE", False)
+    assert fused_decode._lora_path_note(spec, least, cuda) is None
+
+
+def test_the_decoder_says_each_lora_path_note_once(monkeypatch, caplog):
+    """A rollout makes a decoder per batch and length: a note is logged by the first one only."""
+    from _tiny import tiny_model
+
+    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+    from trl_qerl.quantizer import quantize_model
+    from trl_qerl.rollout.decoder_spec import read_decoder
+
+    model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16))
+    spec = read_decoder(get_peft_model(model, nvfp4_lora_config(model, r=16)))
+    monkeypatch.setattr(fused_decode, "_NOTED", set())
+    monkeypatch.setattr(fused_decode, "_lora_path_note", lambda spec, batch, device: f"a note ({batch > 2})")
+    with caplog.at_level("INFO", logger="trl_qerl.rollout.fused_decode"):
+        for batch in (4, 3, 4, 2):
+            fused_decode.FusedDecoder(spec, batch, 16, "cpu", compile=False)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("a note")] == [
+        "a note (True)",
+        "a note (False)",
+    ]
 
 
 def test_rollout_benchmark_engine_turns_it_on_and_back_off():

@@ -166,7 +166,8 @@ def test_the_step_takes_the_ops_only_above_the_epilogue_rows(monkeypatch):
 
 
 def test_the_decoder_names_adapters_the_ops_do_not_take():
-    """`FusedDecoder` logs why larger steps keep the cuBLAS path: the first layer's refusal, else nothing."""
+    """`FusedDecoder` logs why larger steps keep the cuBLAS path: the first layer's refusal, else nothing; only for
+    decoders of more than `LORA_REDUCTION_ROWS` rows on CUDA."""
     from _tiny import tiny_model
 
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
@@ -178,6 +179,11 @@ def test_the_decoder_names_adapters_the_ops_do_not_take():
         model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16))
         spec = read_decoder(get_peft_model(model, nvfp4_lora_config(model, r=rank)))
         assert fused_decode._lora_rows_refusal(spec) == refusal
+        rows, cuda = fused_decode.LORA_REDUCTION_ROWS, torch.device("cuda")
+        note = fused_decode._lora_path_note(spec, rows + 1, cuda)
+        assert note is None if refusal is None else (refusal in note and "cuBLAS" in note)
+        assert fused_decode._lora_path_note(spec, rows, cuda) is None
+        assert fused_decode._lora_path_note(spec, rows + 1, torch.device("cpu")) is None
 
 
 def test_rollout_benchmark_engine_turns_the_ops_off_and_back_on():

@@ -252,6 +252,27 @@ def _groups_without_beside(layer: LayerSpec) -> str:
     )
 
 
+_NOTED: set[str] = set()
+"""`_lora_path_note` lines already logged: a rollout captures a decoder per batch and length, and says each once."""
+
+
+def _lora_path_note(spec: DecoderSpec, batch: int, device: torch.device) -> str | None:
+    """The line a decoder of ``batch`` rows logs where its LoRA terms keep a slower path than the shipped settings
+    give: fp32 cuBLAS products instead of `lora_rows`' kernels above `LORA_REDUCTION_ROWS` rows, or shrinks after the
+    products instead of beside them from `LORA_BESIDE_MIN_ROWS` rows (None: no such path, or not at this batch)."""
+    if device.type != "cuda" or not spec.layers or batch <= LORA_REDUCTION_ROWS:
+        return None
+    reason = _lora_rows_refusal(spec) if LORA_ROW_KERNELS else None
+    if reason is not None:
+        return (f"decode steps of more than {LORA_REDUCTION_ROWS} rows add LoRA through fp32 cuBLAS products, not "
+                f"lora_rows' kernels: {reason}")  # fmt: skip
+    serial = _groups_without_beside(spec.layers[0])
+    if LORA_SHRINK_BESIDE and LORA_ROW_KERNELS and batch >= LORA_BESIDE_MIN_ROWS and serial:
+        return (f"LoRA shrinks of {serial} run after the products, not beside them: some projection of the group "
+                "has no adapter.")  # fmt: skip
+    return None
+
+
 def _lora_rows_refusal(spec: DecoderSpec) -> str | None:
     """Why the first layer's LoRA terms would keep the cuBLAS path above `LORA_REDUCTION_ROWS` rows (None: they
     would not, or there are none)."""
@@ -520,13 +541,10 @@ class FusedDecoder:
         wanted = asked or (decode_attention == "auto" and _auto_takes_split_kv(device))
         self.split_kv = wanted and _split_kv_runs(spec, batch, device, asked=asked)
         self._decode_layer = _compiled_layer() if compile else decoder_layer
-        reason = _lora_rows_refusal(spec) if LORA_ROW_KERNELS and device.type == "cuda" and spec.layers else None
-        if reason is not None:
-            logger.info("decode steps of more than %d rows add LoRA through fp32 cuBLAS products, not lora_rows' "
-                        "kernels: %s", LORA_REDUCTION_ROWS, reason)  # fmt: skip
-        elif LORA_SHRINK_BESIDE and device.type == "cuda" and (serial := _groups_without_beside(spec.layers[0])):
-            logger.info("LoRA shrinks of %s run after the products, not beside them: some projection of the group "
-                        "has no adapter.", serial)  # fmt: skip
+        note = _lora_path_note(spec, batch, device)
+        if note is not None and note not in _NOTED:
+            _NOTED.add(note)
+            logger.info(note)
 
     def reset(self) -> None:
         for tensor in (*self.keys, *self.values):
