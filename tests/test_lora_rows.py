@@ -99,6 +99,32 @@ def test_split_columns_leave_their_counters_at_zero_for_the_next_launch():
     assert torch.equal(sums[0], sums[1])
 
 
+@pytest.mark.parametrize("per_group", [5, 8, 16])
+def test_sums_in_groups_match_float64_and_repeat_exactly(monkeypatch, per_group):
+    """`GROUP_SPLITS`: 47 column spans summed in groups of 5, 8 or 16 (the last group fewer), then the group sums: within
+    3xTF32's error of float64, the same bits on a second launch (a graph replay), every counter back at zero; groups as
+    wide as the spans are the one-level sum, bit for bit."""
+    from trl_qerl.nvfp4.cuda_mma import arrival_counters
+    from trl_qerl.rollout import _lora_rows_kernel as kernel
+
+    x, lora_a, _, _ = _case(20, 9000, (32, 16), (8, 8), torch.bfloat16, seed=4)
+    assert kernel.shrink_layout(20, 9000, [32, 16])[4] == 47
+    exact = torch.cat([x.double() @ a.double().T for a in lora_a], dim=-1)
+    sums = []
+    for setting in (per_group, per_group, 0, 47):
+        monkeypatch.setattr(kernel, "GROUP_SPLITS", setting)
+        sums.append(_poisoned((20, 48), torch.float32))
+        kernel.shrink_rows(x, lora_a, sums[-1])
+        assert int(arrival_counters(x.device, 64).abs().sum()) == 0
+    assert kernel.split_groups(47) == (47, 1) and kernel.split_groups(1) == (1, 1)
+    monkeypatch.setattr(kernel, "GROUP_SPLITS", per_group)
+    assert kernel.split_groups(47) == (per_group, -(-47 // per_group))
+    grouped, again, flat, wide = sums
+    assert not grouped.isnan().any()
+    assert ((grouped.double() - exact).norm() / exact.norm()).item() < 1e-6
+    assert torch.equal(grouped, again) and torch.equal(flat, wide)
+
+
 def test_shrink_layout_splits_columns_into_whole_steps_up_to_the_program_target():
     from trl_qerl.rollout import _lora_rows_kernel as kernel
 
@@ -215,9 +241,9 @@ def test_captured_compiled_step_above_the_epilogue_rows_on_cuda(monkeypatch):
 def test_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at their
     largest tiles (64 rows, rank blocks of 32 or the FMA tile, rank 64), both kernels keep their tiles in registers in
-    every multiplying mode."""
+    every multiplying mode, and so does the shrink summing 64 spans in groups of 8 (`GROUP_SPLITS`)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
-    assert len(resources) == 4
+    assert len(resources) == 5
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
@@ -245,12 +271,14 @@ def _kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
     results = {}
     for mode in (1, 2):
         block_r, block_k = (K.FMA_BLOCK_R, K.FMA_BLOCK_K) if mode == 2 else (32, K.BLOCK_K)
-        shrink = dict(BLOCK_M=64, BLOCK_R=block_r, BLOCK_K=block_k, SPLITS=4, MODE=mode)
+        shrink = dict(BLOCK_M=64, BLOCK_R=block_r, BLOCK_K=block_k, SPLITS=4, MODE=mode, GROUPS=1, PER_GROUP=4)
         expand = dict(OUT=triton.language.bfloat16, BLOCK_M=64, BLOCK_N=K.BLOCK_N, RANK=64, RANK_STEP=K.RANK_STEP,
                       MODE=mode)  # fmt: skip
         for name, kernel, constexprs in (("shrink", K._shrink_rows_kernel, shrink),
                                          ("expand", K._expand_add_kernel, expand)):  # fmt: skip
             results[f"{name} mode {mode}"] = resources_of(compile_for_hopper(kernel, constexprs).asm["cubin"], folder)
+    grouped = dict(BLOCK_M=64, BLOCK_R=32, BLOCK_K=K.BLOCK_K, SPLITS=64, MODE=1, GROUPS=8, PER_GROUP=8)
+    results["shrink in groups"] = resources_of(compile_for_hopper(K._shrink_rows_kernel, grouped).asm["cubin"], folder)
     return results
 
 

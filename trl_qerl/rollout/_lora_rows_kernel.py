@@ -4,7 +4,8 @@
 the concatenated A matrices (``BLOCK_R`` divides every rank, so a block lies in one adapter) and one span of columns;
 each step multiplies an ``[BLOCK_M, BLOCK_K]`` input tile by the A tile (`SHRINK_MODE`: 3xTF32 on the tensor cores, or
 FMAs), and the spans' ``[BLOCK_M, BLOCK_R]`` partials are added in span order by the last program to arrive
-(`_fused_shrink_kernel._store_splits`: the same sum on every launch, counters reset for graph replays).
+(`_fused_shrink_kernel._store_splits`: the same sum on every launch, counters reset for graph replays; or in two
+levels, `GROUP_SPLITS`).
 
 `_expand_add_kernel`: ``out = round(base + scaling * t @ B.T)`` for up to three projections side by side (their
 outputs' column blocks numbered one after another), one ``[BLOCK_M, BLOCK_N]`` output tile per program (`EXPAND_MODE`:
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..nvfp4.cuda_mma import arrival_counters
+from ._arrival_kernel import last_to_arrive, reset_arrivals
 from ._fused_shrink_kernel import _DTYPES, _adapter_args, _adapter_rows, _round, _store_splits
 
 
@@ -50,6 +52,13 @@ FMA_BLOCK_R = 4
 """A rows per shrink program in mode 2."""
 FMA_BLOCK_K = 32
 """Columns per step of the shrink in mode 2 (the tile: ``BLOCK_M x FMA_BLOCK_R x FMA_BLOCK_K`` fp32)."""
+GROUP_SPLITS = 0
+"""Spans per group of a two-level sum over the spans' partials (0: one level). With up to `MAX_SPLITS` spans, the last
+program of a tile to arrive reads every span's ``[BLOCK_M, BLOCK_R]`` partial (at 64 rows and rank blocks of 32, up to
+64 tiles of 8 KB) from one multiprocessor. In groups, the last program of each group sums that group's partials and
+leaves one group sum, and the last group to finish sums those: the reads spread over as many programs, in a fixed order
+(the same sum on every launch, rounded differently from one level). Unmeasured: `scripts/bench_lora_rows.py --variants
+GROUP_SPLITS=8` times it."""
 
 
 @triton.jit
@@ -57,7 +66,7 @@ def _shrink_rows_kernel(
     x_ptr, a0, a1, a2, t_ptr, partial_ptr, count_ptr,
     rows, width, span, rank0, rank1, stride_x, stride_t,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-    MODE: tl.constexpr,
+    MODE: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
 ):  # fmt: skip
     first = tl.program_id(0) * BLOCK_R
     base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
@@ -85,8 +94,41 @@ def _shrink_rows_kernel(
     slot = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + ranks[None, :]
     targets = t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :]
-    _store_splits(acc, targets, live[:, None], partial_ptr, count_ptr, slot, tl.program_id(2), tile,
-                  BLOCK_M * BLOCK_R, SPLITS)  # fmt: skip
+    if GROUPS == 1:
+        _store_splits(acc, targets, live[:, None], partial_ptr, count_ptr, slot, tl.program_id(2), tile,
+                      BLOCK_M * BLOCK_R, SPLITS)  # fmt: skip
+    else:
+        _store_splits_in_groups(acc, targets, live[:, None], partial_ptr, count_ptr, slot, tl.program_id(2), tile,
+                                tl.num_programs(0) * tl.num_programs(1), BLOCK_M * BLOCK_R, SPLITS, GROUPS, PER_GROUP)  # fmt: skip
+
+
+@triton.jit
+def _store_splits_in_groups(value, targets, mask, partial_ptr, count_ptr, slot, split, offsets, slots_count,
+                            SIZE: tl.constexpr, SPLITS: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr):  # fmt: skip
+    """`_store_splits` in two levels (`GROUP_SPLITS`): this program's partial goes to span ``split`` of slot ``slot``;
+    the last of its group (``PER_GROUP`` spans, the last group fewer) to arrive adds the group's partials in span order
+    into the slot's group sum, and the last group to finish adds the group sums in group order and stores them. Scratch:
+    ``slots_count x SPLITS`` partials, then ``slots_count x GROUPS`` group sums; counters: ``GROUPS + 1`` per slot, each
+    reset by its last arrival (graph replays need no memset)."""
+    partials = partial_ptr + slot * SPLITS * SIZE + offsets
+    sums = partial_ptr + (slots_count * SPLITS + slot * GROUPS) * SIZE + offsets
+    counters = count_ptr + slot * (GROUPS + 1)
+    tl.store(partials + split * SIZE, value)
+    group = split // PER_GROUP
+    first = group * PER_GROUP
+    last = tl.minimum(first + PER_GROUP, SPLITS)
+    if last_to_arrive(counters, group, last - first):
+        total = tl.zeros_like(value)
+        for other in range(first, last):
+            total += tl.load(partials + other * SIZE, cache_modifier=".cg")
+        tl.store(sums + group * SIZE, total)
+        reset_arrivals(counters, group)
+        if last_to_arrive(counters, GROUPS, GROUPS):
+            total = tl.zeros_like(value)
+            for other in range(GROUPS):
+                total += tl.load(sums + other * SIZE, cache_modifier=".cg")
+            tl.store(targets, total, mask=mask)
+            reset_arrivals(counters, GROUPS)
 
 
 @triton.jit
@@ -180,6 +222,14 @@ def shrink_layout(rows: int, width: int, ranks: list[int]) -> tuple[int, int, in
     return mode, m, r, span, triton.cdiv(width, span)
 
 
+def split_groups(splits: int) -> tuple[int, int]:
+    """(spans per group, groups) of the sum over ``splits`` spans' partials: `GROUP_SPLITS` per group (the last group
+    fewer), or one group of all, where `GROUP_SPLITS` is 0 or at least ``splits``."""
+    if GROUP_SPLITS <= 0 or GROUP_SPLITS >= splits:
+        return splits, 1
+    return GROUP_SPLITS, triton.cdiv(splits, GROUP_SPLITS)
+
+
 def shrink_rows(x: torch.Tensor, lora_a: list[torch.Tensor], t: torch.Tensor, lane: int = 0) -> None:
     """Fill ``t[M, Σ ranks]`` (fp32) with ``x @ A.T`` of each A side by side. ``lane``: the arrival counters'
     (`arrival_counters`; a launch that may overlap other launches takes a lane of its own)."""
@@ -188,13 +238,15 @@ def shrink_rows(x: torch.Tensor, lora_a: list[torch.Tensor], t: torch.Tensor, la
     mode, m, r, span, splits = shrink_layout(rows, width, ranks)
     grid = (sum(ranks) // r, triton.cdiv(rows, m), splits)
     tiles = grid[0] * grid[1]
-    partials = t.new_empty(tiles * splits * m * r) if splits > 1 else t
-    counters = arrival_counters(t.device, tiles, lane) if splits > 1 else t
+    per_group, groups = split_groups(splits)
+    sums = groups if groups > 1 else 0  # the group sums follow the partials
+    partials = t.new_empty(tiles * (splits + sums) * m * r) if splits > 1 else t
+    counters = arrival_counters(t.device, tiles * (groups + 1), lane) if splits > 1 else t
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     _shrink_rows_kernel[grid](
         x, a0, a1, a2, t, partials, counters, rows, width, span, rank0, rank1, x.stride(0), t.stride(0),
-        BLOCK_M=m, BLOCK_R=r, BLOCK_K=step_columns(mode), SPLITS=splits, MODE=mode, num_warps=WARPS,
-        num_stages=STAGES,
+        BLOCK_M=m, BLOCK_R=r, BLOCK_K=step_columns(mode), SPLITS=splits, MODE=mode, GROUPS=groups,
+        PER_GROUP=per_group, num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
 
 
