@@ -238,6 +238,7 @@ def test_the_decoder_names_groups_that_keep_the_serial_path(monkeypatch):
     note = fused_decode._lora_path_note(spec, least, cuda)
     assert note is not None and "q/k/v, gate/up" in note and "not beside them" in note
     assert fused_decode._lora_path_note(spec, least - 1, cuda) is None
+    assert fused_decode._lora_path_note(spec, fused_decode.LORA_ROW_KERNELS_MAX + 1, cuda) is None
     assert fused_decode._lora_path_note(spec, least, torch.device("cpu")) is None
     assert fused_decode._lora_path_note(SimpleNamespace(layers=[_tiny_layer()]), least, cuda) is None
     monkeypatch.setattr(fused_decode, "LORA_SHRINK_BESIDE", False)

@@ -259,8 +259,9 @@ _NOTED: set[str] = set()
 def _lora_path_note(spec: DecoderSpec, batch: int, device: torch.device) -> str | None:
     """The line a decoder of ``batch`` rows logs where its LoRA terms keep a slower path than the shipped settings
     give: fp32 cuBLAS products instead of `lora_rows`' kernels above `LORA_REDUCTION_ROWS` rows, or shrinks after the
-    products instead of beside them from `LORA_BESIDE_MIN_ROWS` rows (None: no such path, or not at this batch)."""
-    if device.type != "cuda" or not spec.layers or batch <= LORA_REDUCTION_ROWS:
+    products instead of beside them from `LORA_BESIDE_MIN_ROWS` rows; up to `LORA_ROW_KERNELS_MAX` rows, where both
+    apply (None: no such path, or not at this batch)."""
+    if device.type != "cuda" or not spec.layers or not LORA_REDUCTION_ROWS < batch <= LORA_ROW_KERNELS_MAX:
         return None
     reason = _lora_rows_refusal(spec) if LORA_ROW_KERNELS else None
     if reason is not None:
