@@ -597,7 +597,12 @@ def test_engine_falls_back_to_the_standard_order_when_a_product_cannot_read_the_
     standard = StaticCacheGenerator(model, cuda_graph=False, engine="fused").generate(prompts, params, [1], 0)
     generator = StaticCacheGenerator(model, cuda_graph=False, engine="fused")
     codes = [packed.clone() for packed in generator.nvfp4_codes()]
-    monkeypatch.setattr(StaticCacheGenerator, "_twiddles", lambda self, batch: self._twiddle_off is None)
+
+    def window_order(self, batch):  # a window on the CPU too, in the order `_lane_order` gives
+        on = self._twiddle_off is None
+        return on, on and self._lane_order()
+
+    monkeypatch.setattr(StaticCacheGenerator, "_window_order", window_order)
     monkeypatch.setattr(StaticCacheGenerator, "_hopper", lambda self: True)
     monkeypatch.setattr(fast, "LANE_ORDER", lanes)
     windows, real_window = [], twiddle.twiddled_codes

@@ -602,8 +602,7 @@ class StaticCacheGenerator:
             eos = torch.tensor(list(eos_token_ids), device=device)
             self._states = {}  # keep one set of buffers (and one KV cache) alive at a time
             backend = self._backend(batch, cache_len, device)
-            twiddled = self._twiddles(batch)
-            lanes = twiddled and self._lane_order()
+            twiddled, lanes = self._window_order(batch)
             with self._twiddled_window(twiddled, lanes):  # (the capture's warm-up chooses kernels for that order)
                 state = _DecodeState(self.model, backend, batch, params, eos, pad_id, device, self.cuda_graph)
             state.twiddled, state.lanes = twiddled, lanes
@@ -615,11 +614,11 @@ class StaticCacheGenerator:
         """`nvfp4_codes` of the generator's model."""
         return nvfp4_codes(self.model)
 
-    def _twiddles(self, batch: int) -> bool:
-        """Whether decode steps of ``batch`` rows read the twiddled codes (``twiddled_decode``); logs once where it
-        was asked for and cannot apply."""
+    def _window_order(self, batch: int) -> tuple[bool, bool]:
+        """Whether decode steps of ``batch`` rows read permuted codes (``twiddled_decode``), and whether in the lane
+        order (`_lane_order`, else the twiddled one); logs once where it was asked for and cannot apply."""
         if self.twiddled_decode is False or self._twiddle_off is not None:
-            return False
+            return False, False
         device = next(self.model.parameters()).device
         dtype = self.model.get_input_embeddings().weight.dtype
         codes = self.nvfp4_codes()
@@ -635,10 +634,12 @@ class StaticCacheGenerator:
             if self.twiddled_decode:
                 logger.warning("twiddled_decode=True %s; the codes stay in the standard order", blocked)
                 self._twiddle_off = blocked
-            return False
-        if batch > (LANE_ORDER_MAX_ROWS if self._lane_order() else TWIDDLE_MAX_ROWS):  # (this batch only)
-            return False
-        return self.twiddled_decode is True or dtype == torch.bfloat16
+            return False, False
+        lanes = self._lane_order()
+        if batch > (LANE_ORDER_MAX_ROWS if lanes else TWIDDLE_MAX_ROWS):  # (this batch only)
+            return False, False
+        twiddled = self.twiddled_decode is True or dtype == torch.bfloat16
+        return twiddled, twiddled and lanes
 
     def _lane_order(self) -> bool:
         """Whether the decode window holds the lane order: `LANE_ORDER` on a Hopper GPU (the wgmma kernel, which the
