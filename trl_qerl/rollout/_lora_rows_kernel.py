@@ -52,13 +52,15 @@ FMA_BLOCK_R = 4
 """A rows per shrink program in mode 2."""
 FMA_BLOCK_K = 32
 """Columns per step of the shrink in mode 2 (the tile: ``BLOCK_M x FMA_BLOCK_R x FMA_BLOCK_K`` fp32)."""
-GROUP_SPLITS = 0
+GROUP_SPLITS = 8
 """Spans per group of a two-level sum over the spans' partials (0: one level). With up to `MAX_SPLITS` spans, the last
 program of a tile to arrive reads every span's ``[BLOCK_M, BLOCK_R]`` partial (at 64 rows and rank blocks of 32, up to
 64 tiles of 8 KB) from one multiprocessor. In groups, the last program of each group sums that group's partials and
 leaves one group sum, and the last group to finish sums those: the reads spread over as many programs, in a fixed order
-(the same sum on every launch, rounded differently from one level). Unmeasured: `scripts/bench_lora_rows.py --variants
-GROUP_SPLITS=8` times it."""
+(the same sum on every launch, rounded differently from one level). Measured on the H100 (7B, rank 32, 2026-12-05,
+`scripts/bench_lora_rows.py --rows 64 32 --variants GROUP_SPLITS=8 GROUP_SPLITS=4 GROUP_SPLITS=16 ...`): the row
+shrinks of a decode step took 1.433 / 1.297 ms at 64 / 32 rows in groups of 8 against 1.716 / 1.327 in one level (4:
+1.451 / 1.290, 16: 1.479 / 1.357); fewer spans (`MAX_SPLITS` 16 or 32) or more programs were slower."""
 
 
 @triton.jit
