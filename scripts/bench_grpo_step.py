@@ -4,11 +4,13 @@ Random weights at real Qwen2.5 shapes (written once as a bf16 checkpoint), a syn
 the model's vocabulary, prompts of exactly ``--prompt-tokens`` tokens, and a reward that varies per completion
 (so the step does real gradient work). Each mode trains ``--steps`` optimizer steps with `QeRLGRPOTrainer`; the
 first is warm-up, the rest are averaged (each measured step is kept in the JSON too, with its mean completion
-length: a step whose padded length differs from the warm-up's may pay one-off kernel builds): step time split into
+length: a step whose padded length differs from the warm-up's may pay one-off kernel builds; cuDNN's attention plans
+for the full-length shape, with and without a padding mask, are built before the first step): step time split into
 rollout / reward / log-prob / forward+backward, rollout tokens/s, and peak allocated device memory. ``--batch``
 takes several sizes (the paper's Table 3: 2 4 8); each mode and batch trains its own trainer in the same process.
 
-Random weights never emit the EOS token, so every completion is full length. ``--eos-rate R`` adds R of the
+Random weights rarely emit the EOS token (one draw in ~the vocabulary size), so completions are full length but for
+an occasional early end. ``--eos-rate R`` adds R of the
 vocabulary as EOS ids (lengths then spread geometrically, mean ~1/R), which is what real data's length spread costs:
 padded lengths that change every step, rows that finish early. ``--pad-to-multiple-of`` sets
 `QeRLConfig.pad_to_multiple_of` ("auto": 64 on CUDA; "none"), to compare what padding saves on such steps.
@@ -65,6 +67,46 @@ def pad_setting(value: str) -> int | str | None:
     if value == "auto":
         return value
     return None if value == "none" else int(value)
+
+
+def training_length(prompt_tokens: int, completion_tokens: int, pad_to_multiple_of: int | str | None) -> int:
+    """The length of a training row whose completion runs the full ``completion_tokens``: TRL pads the prompts and the
+    completions each to a multiple of ``pad_to_multiple_of`` (an int; anything else pads nothing here)."""
+    if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of <= 1:
+        return prompt_tokens + completion_tokens
+    return sum(-(-part // pad_to_multiple_of) * pad_to_multiple_of for part in (prompt_tokens, completion_tokens))
+
+
+def warm_attention_plans(trainer, batch: int, length: int, vocab: int) -> None:
+    """One forward and backward of the trainer's model on ``[batch, length]`` random tokens with an all-ones attention
+    mask, and one with the first row padded at its end (a completion that ended early), before the timed steps.
+
+    cuDNN's fused attention builds a plan the first time it sees a shape with or without a mask: 1.8–3.1 s per shape on
+    the H200 (BENCHMARKS.md, "The +2.1 s of early-ended steps is cuDNN attention building plans"). Random weights do
+    draw the EOS token now and then (one of the 32k draws of a 7B batch-64 warm-up step did), and then the first
+    measured step whose rows are all full length paid that build in its training half: 7.01 s against 5.20 s for the
+    step after it (2026-12-05). Both variants are built here, so the timed steps see none. Gradient checkpointing is
+    switched on first, as the trainer would, so the warm-up takes no more memory than a training step."""
+    model = trainer.model
+    if trainer.args.gradient_checkpointing:  # transformers >= 5.25 renames it, and keeps the old name as an alias
+        kwargs = trainer.args.gradient_checkpointing_kwargs
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    device = next(model.parameters()).device
+    ids = torch.randint(3, vocab, (batch, length), device=device)
+    full = torch.ones_like(ids)
+    padded = full.clone()
+    padded[0, length // 2 :] = 0
+    for mask in (full, padded):
+        with trainer.compute_loss_context_manager():
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1).logits
+        logits.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class StepProbe(TrainerCallback):
@@ -285,6 +327,16 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
     weight_bytes = sum(t.numel() * t.element_size() for t in base.parameters() if not t.requires_grad)
     trainable_bytes = sum(t.numel() * t.element_size() for t in trainer.model.parameters() if t.requires_grad)
     del model
+    warmed = False
+    if args.warm_attention:
+        length = training_length(args.prompt_tokens, args.completion_tokens, trainer.args.pad_to_multiple_of)
+        try:
+            warm_attention_plans(trainer, batch, length, tokenizer.vocab_size)
+            warmed = True
+            print(f"{mode}: attention plans built for [{batch}, {length}] with and without a padding mask", flush=True)
+        except (RuntimeError, ValueError, TypeError) as error:  # the timed steps still run; the JSON says it
+            trainer.model.zero_grad(set_to_none=True)
+            print(f"{mode}: building the attention plans first failed ({error!r}); a measured step may pay them")
     if cuda and checkpoint is None and not args.streamed:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # the 16-bit model existed only to be quantised: not part of training
@@ -321,6 +373,7 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         "training_half_profile": getattr(trainer, "training_half_profile", None),
         "eos_rate": args.eos_rate,
         "pad_to_multiple_of": trainer.args.pad_to_multiple_of,
+        "attention_plans_warmed": warmed,
         **build,
     }
     del trainer, base
@@ -365,6 +418,10 @@ def main() -> None:
     parser.add_argument("--profile-host", action="store_true",
                         help="like --profile-train, but the extra step's training half runs under cProfile: Python "
                         "functions by their own host time, against its wall time")  # fmt: skip
+    parser.add_argument("--no-warm-attention", dest="warm_attention", action="store_false",
+                        help="skip the forward + backward at the training shape, with and without a padding mask, "
+                        "that builds cuDNN's attention plans before the timed steps (`warm_attention_plans`); without "
+                        "it a measured step can pay a ~2 s one-off build")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.profile_train and args.profile_host:

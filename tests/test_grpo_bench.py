@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -40,7 +41,7 @@ def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
     cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the GPU machine's run must take the CPU path too
     subprocess.run(command, check=True, cwd=SCRIPTS, capture_output=True, text=True, timeout=600, env=cpu_only)
     row = json.loads(out.read_text())["results"][0]
-    assert row["eos_rate"] == 0.2 and row["pad_to_multiple_of"] == 16
+    assert row["eos_rate"] == 0.2 and row["pad_to_multiple_of"] == 16 and row["attention_plans_warmed"] is True
     lengths = [row["warmup"]["completions/mean_length"], *row["completion_length_each"]]
     assert len(lengths) == 3 and all(0 < length < 32 for length in lengths)  # rows ended early, at ~1/0.2 tokens
     # one probe per optimizer step; the fourth step is the profiled one, which is not averaged
@@ -49,6 +50,56 @@ def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
     profile = row["training_half_profile"]
     assert profile["label"] == "nvfp4, step 3" and profile["wall_ms"] > 0
     assert profile["host_by_op"] and profile["kernels"] == 0  # CPU: host operators only, no CUDA kernels
+
+
+def test_training_length_pads_the_prompt_and_the_completion_each():
+    from bench_grpo_step import training_length
+
+    assert training_length(256, 512, 64) == 768 and training_length(250, 500, 64) == 256 + 512
+    assert training_length(8, 32, None) == training_length(8, 32, "auto") == 40  # "auto" pads nothing off CUDA
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [
+        ("cpu", torch.float32),
+        pytest.param(
+            "cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
+def test_attention_plans_are_built_with_and_without_a_padding_mask(device, dtype):
+    """`warm_attention_plans` runs the trainer's model at the training shape twice, under the trainer's loss context and
+    with gradient checkpointing on: an all-ones mask, then one with the first row padded at its end; it leaves no
+    gradients for the first optimizer step. On CUDA in bf16, the path the benchmark takes there."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from _tiny import tiny_nvfp4_lora_model
+    from bench_grpo_step import warm_attention_plans
+
+    model = tiny_nvfp4_lora_model(dtype, device)
+    masks, contexts = [], []
+    model.get_base_model().register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs["attention_mask"].clone()), with_kwargs=True
+    )
+
+    @contextlib.contextmanager
+    def loss_context():
+        contexts.append(True)
+        yield
+
+    args = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.eval()
+    warm_attention_plans(
+        SimpleNamespace(model=model, args=args, compute_loss_context_manager=loss_context), 3, 12, 128
+    )
+    assert len(masks) == len(contexts) == 2 and [tuple(mask.shape) for mask in masks] == [(3, 12), (3, 12)]
+    full, padded = masks
+    assert bool(full.all()) and bool(padded[1:].all()) and bool(padded[0, :6].all()) and not padded[0, 6:].any()
+    assert model.training and any(getattr(layer, "gradient_checkpointing", False) for layer in model.modules())
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    assert trainable and all(param.grad is None for param in trainable)
 
 
 def test_host_profile_names_the_functions_that_took_the_host_time(capsys):
