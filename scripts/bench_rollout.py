@@ -109,6 +109,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+twiddle+shrink_beside_all_rows": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+lane_order": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+lane_order+shrink_beside": dict(engine="fused", compile=True, **_TWIDDLE),
+           "fused+compile+split_kv+twiddle+lane_order+shrink_beside+group_sums": dict(engine="fused", compile=True,
+                                                                                      **_TWIDDLE),
            "default": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
@@ -149,7 +151,13 @@ rows since 2026-12-05; the ``+shrink_beside`` engines take it from the row kerne
 they were measured). ``+lane_order``: the decode window holds the codes in the lane order, which the wgmma kernel reads
 too, up to `fast.LANE_ORDER_MAX_ROWS` rows (`fast.LANE_ORDER` True while that engine captures, False for the other
 named engines; captured states keep their order; the generator's default since 2026-12-05).
-``+lane_order+shrink_beside``: both."""
+``+lane_order+shrink_beside``: both. ``+group_sums``: the row shrink sums its column spans' partials in groups
+(`_lora_rows_kernel.GROUP_SPLITS` `GROUP_SUMS` while that engine captures and runs); the other named engines sum in one
+level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05)."""
+
+
+GROUP_SUMS = 8
+"""Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""
 
 
 def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab: int, steps: int = 32) -> dict:
@@ -185,8 +193,11 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     ones (read when a layer compiles and at each uncaptured step), ``LORA_SHRINK_BESIDE`` True from 17 rows for the
     ``+shrink_beside`` ones, from 1 row (``LORA_BESIDE_MIN_ROWS``) for the ``+shrink_beside_all_rows`` ones and False
     for the other named ones (the same), ``fast.LANE_ORDER`` True for the ``+lane_order`` ones and False for the other
-    named ones (read when a decode state is captured); ``default`` keeps the generator's settings; else unchanged."""
+    named ones (read when a decode state is captured), the row shrink's ``GROUP_SPLITS`` `GROUP_SUMS` for the
+    ``+group_sums`` ones and 0 for the other named ones (read at each launch: captured graphs keep it); ``default``
+    keeps the generator's settings; else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
+    from trl_qerl.rollout import _lora_rows_kernel as row_shrink
     from trl_qerl.rollout import decode_attention
 
     pdl, epilogue, shrink = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK
@@ -206,10 +217,13 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     row_kernels = fused_decode.LORA_ROW_KERNELS
     fused_decode.LORA_ROW_KERNELS = row_kernels and not engine.endswith("+lora_cublas")
     beside, beside_rows = fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS
-    if engine != "default":  # named engines measure what they measured before the shrink beside became the default
-        all_rows = engine.endswith("+shrink_beside_all_rows")
-        fused_decode.LORA_SHRINK_BESIDE = all_rows or engine.endswith("+shrink_beside")
+    group_splits = row_shrink.GROUP_SPLITS
+    if engine != "default":  # named engines measure what they measured before these became defaults
+        switches = engine.split("+")
+        all_rows = "shrink_beside_all_rows" in switches
+        fused_decode.LORA_SHRINK_BESIDE = all_rows or "shrink_beside" in switches
         fused_decode.LORA_BESIDE_MIN_ROWS = 1 if all_rows else fused_decode.LORA_REDUCTION_ROWS + 1
+        row_shrink.GROUP_SPLITS = GROUP_SUMS if "group_sums" in switches else 0
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     lane_order = fast.LANE_ORDER
@@ -228,6 +242,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm
         fused_decode.LORA_ROW_KERNELS = row_kernels
         fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS = beside, beside_rows
+        row_shrink.GROUP_SPLITS = group_splits
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
         if alternative:
             kernels.CHOOSER.choices.clear()

@@ -287,6 +287,28 @@ def test_rollout_benchmark_engine_turns_it_on_and_back_off():
     assert (fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS) == shipped
 
 
+def test_rollout_benchmark_group_sums_engine_sets_the_row_shrinks_sum():
+    """`bench_rollout.py`'s ``+group_sums`` engine: the row shrink sums in groups of `GROUP_SUMS` while it runs, with
+    the shrink beside as its ``+shrink_beside`` part says; the other named engines sum in one level (as measured);
+    ``default`` keeps the shipped groups; the shipped setting after each."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_rollout import ENGINES, GROUP_SUMS, engine_environment
+
+    from trl_qerl.rollout import _lora_rows_kernel as row_kernels
+
+    shipped = row_kernels.GROUP_SPLITS
+    grouped = "fused+compile+split_kv+twiddle+lane_order+shrink_beside+group_sums"
+    assert shipped == GROUP_SUMS == 8 and ENGINES[grouped]["twiddled_decode"]
+    with engine_environment(grouped):
+        assert row_kernels.GROUP_SPLITS == GROUP_SUMS
+        assert fused_decode.LORA_SHRINK_BESIDE and fused_decode.LORA_BESIDE_MIN_ROWS == 17
+    with engine_environment("fused+compile+split_kv+twiddle+lane_order+shrink_beside"):
+        assert row_kernels.GROUP_SPLITS == 0 and fused_decode.LORA_SHRINK_BESIDE
+    with engine_environment("default"):
+        assert row_kernels.GROUP_SPLITS == shipped
+    assert row_kernels.GROUP_SPLITS == shipped
+
+
 def test_small_steps_take_it_in_place_of_the_norm_shrinks_when_asked(monkeypatch):
     """`LORA_BESIDE_MIN_ROWS` 1 (the ``+shrink_beside_all_rows`` engines): at 8 rows the input norm makes no shrinks
     and the q/k/v group goes through the op, not the NVFP4 epilogue; the outputs agree with the epilogue path's up to
