@@ -9,8 +9,8 @@ for the full-length shape, with and without a padding mask, are built before the
 rollout / reward / log-prob / forward+backward, rollout tokens/s, and peak allocated device memory. ``--batch``
 takes several sizes (the paper's Table 3: 2 4 8); each mode and batch trains its own trainer in the same process.
 
-Random weights rarely emit the EOS token (one draw in ~the vocabulary size), so completions are full length but for
-an occasional early end. ``--eos-rate R`` adds R of the
+Random weights rarely emit the EOS token (the 7B batch-64 warm-up step drew it once in 32k draws), so completions are
+full length but for an occasional early end. ``--eos-rate R`` adds R of the
 vocabulary as EOS ids (lengths then spread geometrically, mean ~1/R), which is what real data's length spread costs:
 padded lengths that change every step, rows that finish early. ``--pad-to-multiple-of`` sets
 `QeRLConfig.pad_to_multiple_of` ("auto": 64 on CUDA; "none"), to compare what padding saves on such steps.
