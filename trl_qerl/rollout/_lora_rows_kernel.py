@@ -3,9 +3,10 @@
 `_shrink_rows_kernel`: ``t = x @ A.T`` for every row of the launch. A program takes ``BLOCK_M`` rows, ``BLOCK_R`` rows of
 the concatenated A matrices (``BLOCK_R`` divides every rank, so a block lies in one adapter) and one span of columns;
 each step multiplies an ``[BLOCK_M, BLOCK_K]`` input tile by the A tile (`SHRINK_MODE`: 3xTF32 on the tensor cores, or
-FMAs), and the spans' ``[BLOCK_M, BLOCK_R]`` partials are added in span order by the last program to arrive
-(`_fused_shrink_kernel._store_splits`: the same sum on every launch, counters reset for graph replays; or in two
-levels, `GROUP_SPLITS`).
+FMAs), and the spans' ``[BLOCK_M, BLOCK_R]`` partials are added in a fixed order by the last programs to arrive: in
+two levels, groups of `GROUP_SPLITS` spans and then the groups (`_store_splits_in_groups`, the default), or in one
+(`_fused_shrink_kernel._store_splits`, where there are no more spans than a group); the same sum on every launch,
+counters reset for graph replays.
 
 `_expand_add_kernel`: ``out = round(base + scaling * t @ B.T)`` for up to three projections side by side (their
 outputs' column blocks numbered one after another), one ``[BLOCK_M, BLOCK_N]`` output tile per program (`EXPAND_MODE`:
