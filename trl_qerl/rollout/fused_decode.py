@@ -201,8 +201,20 @@ def project(
     return outputs
 
 
+def _row_kernels_take(rows: int) -> bool:
+    """Whether steps of ``rows`` rows add LoRA through `lora_rows`' kernels (`LORA_ROW_KERNELS`), before the group's
+    own checks. Shared by the step and its log line (`_lora_path_note`), so the two cannot disagree."""
+    return LORA_ROW_KERNELS and LORA_REDUCTION_ROWS < rows <= LORA_ROW_KERNELS_MAX
+
+
+def _beside_takes(rows: int) -> bool:
+    """Whether steps of ``rows`` rows take the shrink beside the products (`LORA_SHRINK_BESIDE`, from
+    `LORA_BESIDE_MIN_ROWS` rows), before the group's own checks; shared as `_row_kernels_take` is."""
+    return LORA_SHRINK_BESIDE and LORA_ROW_KERNELS and LORA_BESIDE_MIN_ROWS <= rows <= LORA_ROW_KERNELS_MAX
+
+
 def _lora_in_row_kernels(x: torch.Tensor, projections: Sequence[Projection], outputs: list[torch.Tensor]) -> bool:
-    if not LORA_ROW_KERNELS or not LORA_REDUCTION_ROWS < x.shape[0] <= LORA_ROW_KERNELS_MAX or not runs_triton(x):
+    if not _row_kernels_take(x.shape[0]) or not runs_triton(x):
         return False
     with_lora = [(p, out) for p, out in zip(projections, outputs) if p.lora]
     if not all(len(p.lora) == 1 for p, _ in with_lora):
@@ -222,9 +234,7 @@ def _product_tensors(projections: Sequence[Projection]) -> tuple[list[torch.Tens
 
 def _lora_beside(x: torch.Tensor, projections: Sequence[Projection]) -> bool:
     # Runs while dynamo traces the layer: plain loops and comparisons only (see `LORA_SHRINK_BESIDE`).
-    if not LORA_SHRINK_BESIDE or not LORA_ROW_KERNELS or not runs_triton(x):
-        return False
-    if not LORA_BESIDE_MIN_ROWS <= x.shape[0] <= LORA_ROW_KERNELS_MAX:
+    if not _beside_takes(x.shape[0]) or not runs_triton(x):
         return False
     for p in projections:
         if len(p.lora) != 1 or (p.weight is not None and p.weight.dtype != x.dtype):
@@ -261,14 +271,14 @@ def _lora_path_note(spec: DecoderSpec, batch: int, device: torch.device) -> str 
     give: fp32 cuBLAS products instead of `lora_rows`' kernels above `LORA_REDUCTION_ROWS` rows, or shrinks after the
     products instead of beside them from `LORA_BESIDE_MIN_ROWS` rows; up to `LORA_ROW_KERNELS_MAX` rows, where both
     apply (None: no such path, or not at this batch)."""
-    if device.type != "cuda" or not spec.layers or not LORA_REDUCTION_ROWS < batch <= LORA_ROW_KERNELS_MAX:
+    if device.type != "cuda" or not spec.layers or not _row_kernels_take(batch):
         return None
-    reason = _lora_rows_refusal(spec) if LORA_ROW_KERNELS else None
+    reason = _lora_rows_refusal(spec)
     if reason is not None:
         return (f"decode steps of more than {LORA_REDUCTION_ROWS} rows add LoRA through fp32 cuBLAS products, not "
                 f"lora_rows' kernels: {reason}")  # fmt: skip
     serial = _groups_without_beside(spec.layers[0])
-    if LORA_SHRINK_BESIDE and LORA_ROW_KERNELS and batch >= LORA_BESIDE_MIN_ROWS and serial:
+    if _beside_takes(batch) and serial:
         return (f"LoRA shrinks of {serial} run after the products, not beside them: some projection of the group "
                 "has no adapter.")  # fmt: skip
     return None
