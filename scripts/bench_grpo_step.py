@@ -383,6 +383,11 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
     return result
 
 
+def device_name() -> str:
+    """The card the steps ran on: a run may land on an H100 or an H200, and ratios compare only within one card."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b", choices=NAMES)
@@ -445,7 +450,7 @@ def main() -> None:
 
     print(f"\nOne GRPO step, {args.model} shapes, completions x ({args.prompt_tokens} prompt + "
           f"{args.completion_tokens} completion tokens), LoRA r{args.lora_r}, gradient checkpointing, rollouts: "
-          f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step")  # fmt: skip
+          f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step; {device_name()}")  # fmt: skip
     print("| batch | mode | step s | each step s | rollout s | reward s | log-prob s | fwd+bwd s | rollout tok/s | peak GB "
           "| frozen weights GB | trainable GB | optimizer GB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -460,7 +465,9 @@ def main() -> None:
         for r in rows[:-1]:
             print(f"batch {batch}: {comparison(r, rows[-1])}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "device": device_name(), "results": results}, indent=2)
+        )
 
 
 if __name__ == "__main__":

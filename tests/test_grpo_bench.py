@@ -40,7 +40,9 @@ def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
     ]  # fmt: skip
     cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the GPU machine's run must take the CPU path too
     subprocess.run(command, check=True, cwd=SCRIPTS, capture_output=True, text=True, timeout=600, env=cpu_only)
-    row = json.loads(out.read_text())["results"][0]
+    written = json.loads(out.read_text())
+    assert written["device"] == "cpu"  # the card is recorded: ratios compare only within one
+    row = written["results"][0]
     assert row["eos_rate"] == 0.2 and row["pad_to_multiple_of"] == 16 and row["attention_plans_warmed"] is True
     lengths = [row["warmup"]["completions/mean_length"], *row["completion_length_each"]]
     assert len(lengths) == 3 and all(0 < length < 32 for length in lengths)  # rows ended early, at ~1/0.2 tokens
