@@ -427,6 +427,9 @@ def main() -> None:
                         help="skip the forward + backward at the training shape, with and without a padding mask, "
                         "that builds cuDNN's attention plans before the timed steps (`warm_attention_plans`); without "
                         "it a measured step can pay a ~2 s one-off build")  # fmt: skip
+    parser.add_argument("--choices", default=None,
+                        help="save the NVFP4 kernel choices this GPU timed or used during the run here, merged into the "
+                        "file if it exists: runs of several model shapes fill one table for `trl_qerl/nvfp4/tuned/`")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.profile_train and args.profile_host:
@@ -468,6 +471,11 @@ def main() -> None:
         Path(args.json).write_text(
             json.dumps({"args": vars(args), "device": device_name(), "results": results}, indent=2)
         )
+    if args.choices:
+        from trl_qerl.nvfp4.kernels import CHOOSER
+
+        saved = CHOOSER.save(args.choices, device=device_name(), merge=True)
+        print(f"{saved} kernel choices for {device_name()} in {args.choices}")
 
 
 if __name__ == "__main__":

@@ -294,7 +294,8 @@ def main() -> None:
     parser.add_argument("--pdl", action="store_true",
                         help="also time the CUDA decode kernel's choices with Programmatic Dependent Launch")  # fmt: skip
     parser.add_argument("--json", default=None, help="write all results here")
-    parser.add_argument("--choices", default=None, help="save the tuned kernel choices here")
+    parser.add_argument("--choices", default=None,
+                        help="save this GPU's kernel choices here (merged into the file if it exists)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new shapes after this")
     parser.add_argument("--retune", type=int, default=None, metavar="ROWS",
                         help="ignore the shipped kernel choices for row buckets >= ROWS: time every candidate again")  # fmt: skip
@@ -343,11 +344,11 @@ def main() -> None:
             if args.json:
                 _write(args.json, props.name, bandwidth, results)
             if args.choices:  # (per shape: a run cut short keeps what it timed)
-                kernels.CHOOSER.save(args.choices)
+                kernels.CHOOSER.save(args.choices, device=props.name, merge=True)
     if args.json:
         _write(args.json, props.name, bandwidth, results)
     if args.choices:
-        kernels.CHOOSER.save(args.choices)
+        kernels.CHOOSER.save(args.choices, device=props.name, merge=True)
 
 
 def _row(name: str, r: dict, bandwidth: float, pdl: bool = False) -> str:

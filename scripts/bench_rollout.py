@@ -419,7 +419,8 @@ def main() -> None:
     parser.add_argument("--shrink-settings", default=None, metavar="SETTINGS",
                         help="_fused_shrink_kernel settings (NAME=VALUE,...) of the +shrink_settings engine")  # fmt: skip
     parser.add_argument("--json", default=None)
-    parser.add_argument("--choices", default=None, help="save the kernel choices made during the run")
+    parser.add_argument("--choices", default=None,
+                        help="save this GPU's kernel choices made during the run here (merged into the file if it exists)")  # fmt: skip
     parser.add_argument("--alt-choices", default=None, metavar="FILE",
                         help="kernel choices (saved by bench_kernels.py --choices) for the +alt_choices engines")  # fmt: skip
     args = parser.parse_args()
@@ -499,7 +500,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     if args.choices:
-        kernels.CHOOSER.save(args.choices)
+        kernels.CHOOSER.save(args.choices, device=torch.cuda.get_device_name(), merge=True)
 
 
 if __name__ == "__main__":

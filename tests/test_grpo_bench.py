@@ -37,11 +37,14 @@ def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
         sys.executable, str(SCRIPTS / "bench_grpo_step.py"), "--model", "tiny", "--in-memory", "--modes", "nvfp4",
         "--batch", "4", "--prompt-tokens", "8", "--completion-tokens", "32", "--rollout-backend", "fast",
         "--steps", "3", "--eos-rate", "0.2", "--pad-to-multiple-of", "16", "--profile-train", "--json", str(out),
+        "--choices", str(tmp_path / "choices.json"),
     ]  # fmt: skip
     cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the GPU machine's run must take the CPU path too
     subprocess.run(command, check=True, cwd=SCRIPTS, capture_output=True, text=True, timeout=600, env=cpu_only)
     written = json.loads(out.read_text())
     assert written["device"] == "cpu"  # the card is recorded: ratios compare only within one
+    # on the CPU no kernel is chosen, and the shipped GPU tables loaded at import are not this device's
+    assert json.loads((tmp_path / "choices.json").read_text()) == {}
     row = written["results"][0]
     assert row["eos_rate"] == 0.2 and row["pad_to_multiple_of"] == 16 and row["attention_plans_warmed"] is True
     lengths = [row["warmup"]["completions/mean_length"], *row["completion_length_each"]]

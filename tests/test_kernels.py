@@ -192,10 +192,36 @@ def test_kernel_choice_helpers(tmp_path):
         "H200|bfloat16|16|4608|3584": K.FusedConfig(16, 64, 256, 2),
         "H200|bfloat16|4096|3584|3584": K.DEQUANT_CUBLAS,
     }
-    chooser.save(tmp_path / "choices.json")
+    assert chooser.save(tmp_path / "choices.json") == 2
     again = K.KernelChooser(autotune=False)
     again.load(tmp_path / "choices.json")
     assert again.choices == chooser.choices
+
+
+def test_kernel_choices_saved_for_one_device_merge_into_an_existing_table(tmp_path):
+    table = tmp_path / "H100.json"
+    first = K.KernelChooser(autotune=False)
+    first.choices = {
+        "H100|bfloat16|1|4608|3584|x3": K.FusedConfig(16, 64, 256, 2),  # from a 7B run
+        "H100|bfloat16|8|3584|3584": K.DEQUANT_CUBLAS,
+        "H200|bfloat16|1|4608|3584|x3": K.DequantChunks(32),  # a shipped table of another GPU, loaded at import
+    }
+    assert first.save(table, device="H100") == 2
+    second = K.KernelChooser(autotune=False)
+    second.choices = {
+        "H100|bfloat16|8|3584|3584": K.DequantChunks(0),  # timed again in a later run: the later run wins
+        "H100|bfloat16|1|7168|5120|x3": K.FusedConfig(1, 64, 128, 1),  # from a 32B run
+    }
+    assert second.save(table, device="H100", merge=True) == 3
+    merged = K.KernelChooser(autotune=False)
+    merged.load(table)
+    assert merged.choices == {
+        "H100|bfloat16|1|4608|3584|x3": K.FusedConfig(16, 64, 256, 2),
+        "H100|bfloat16|8|3584|3584": K.DequantChunks(0),
+        "H100|bfloat16|1|7168|5120|x3": K.FusedConfig(1, 64, 128, 1),
+    }
+    assert [path.name for path in tmp_path.iterdir()] == ["H100.json"]  # no partial file left behind
+    assert second.save(table, device="H100") == 2  # without merge the file holds this chooser's choices only
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------

@@ -622,10 +622,25 @@ class KernelChooser:
             )  # fmt: skip
         logger.debug("NVFP4: timing kernel candidates for %s", key)
 
-    def save(self, path: str) -> None:
-        table = {key: _choice_to_json(c) for key, c in sorted(self.choices.items())}
-        with open(path, "w") as handle:
-            json.dump(table, handle, indent=1)
+    def save(self, path: str | os.PathLike, device: str | None = None, merge: bool = False) -> int:
+        """Writes the choices as JSON (`load` reads them) and returns how many it wrote.
+
+        Args:
+            path: the JSON file.
+            device: keep only the keys of this device name (`torch.cuda.get_device_name()`): the choices also hold
+                the shipped tables of other GPUs, loaded at import.
+            merge: keep the entries already in ``path`` that this chooser does not hold, so runs of several model
+                shapes can fill one table (this chooser's entries win where both have a key).
+        """
+        ours = {key: _choice_to_json(c) for key, c in self.choices.items()}
+        if device is not None:
+            ours = {key: choice for key, choice in ours.items() if key.split("|", 1)[0] == device}
+        table = json.loads(Path(path).read_text()) if merge and Path(path).exists() else {}
+        table.update(ours)
+        partial = Path(f"{path}.partial")  # a rename, so a crash never leaves a merged table half written
+        partial.write_text(json.dumps(dict(sorted(table.items())), indent=1))
+        os.replace(partial, path)
+        return len(table)
 
     def load(self, path: str) -> None:
         with open(path) as handle:
