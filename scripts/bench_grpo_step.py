@@ -428,8 +428,9 @@ def main() -> None:
                         "that builds cuDNN's attention plans before the timed steps (`warm_attention_plans`); without "
                         "it a measured step can pay a ~2 s one-off build")  # fmt: skip
     parser.add_argument("--choices", default=None,
-                        help="save the NVFP4 kernel choices this GPU timed or used during the run here, merged into the "
-                        "file if it exists: runs of several model shapes fill one table for `trl_qerl/nvfp4/tuned/`")  # fmt: skip
+                        help="save this GPU's NVFP4 kernel choices after the run (timed in it or loaded from a table) here, "
+                        "merged into the file if it exists: runs of several model shapes fill one table for "
+                        "`trl_qerl/nvfp4/tuned/`")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.profile_train and args.profile_host:

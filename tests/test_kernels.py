@@ -220,8 +220,14 @@ def test_kernel_choices_saved_for_one_device_merge_into_an_existing_table(tmp_pa
         "H100|bfloat16|8|3584|3584": K.DequantChunks(0),
         "H100|bfloat16|1|7168|5120|x3": K.FusedConfig(1, 64, 128, 1),
     }
-    assert [path.name for path in tmp_path.iterdir()] == ["H100.json"]  # no partial file left behind
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["H100.json"]  # no partial file left behind
     assert second.save(table, device="H100") == 2  # without merge the file holds this chooser's choices only
+    (tmp_path / "notes.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="notes.json is not a kernel-choice table"):
+        second.save(tmp_path / "notes.json", merge=True)
+    (tmp_path / "broken.json").write_text('{"H100|bf')  # e.g. a copy cut short
+    with pytest.raises(ValueError, match="broken.json is not a kernel-choice table"):
+        merged.load(tmp_path / "broken.json")
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------

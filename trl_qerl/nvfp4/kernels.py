@@ -627,25 +627,34 @@ class KernelChooser:
 
         Args:
             path: the JSON file.
-            device: keep only the keys of this device name (`torch.cuda.get_device_name()`): the choices also hold
-                the shipped tables of other GPUs, loaded at import.
+            device: write only this chooser's keys of this device name (`torch.cuda.get_device_name()`): the
+                choices also hold the shipped tables of other GPUs, loaded at import.
             merge: keep the entries already in ``path`` that this chooser does not hold, so runs of several model
                 shapes can fill one table (this chooser's entries win where both have a key).
         """
         ours = {key: _choice_to_json(c) for key, c in self.choices.items()}
         if device is not None:
             ours = {key: choice for key, choice in ours.items() if key.split("|", 1)[0] == device}
-        table = json.loads(Path(path).read_text()) if merge and Path(path).exists() else {}
+        table = _read_choice_table(path) if merge and Path(path).exists() else {}
         table.update(ours)
         partial = Path(f"{path}.partial")  # a rename, so a crash never leaves a merged table half written
         partial.write_text(json.dumps(dict(sorted(table.items())), indent=1))
         os.replace(partial, path)
         return len(table)
 
-    def load(self, path: str) -> None:
-        with open(path) as handle:
-            table = json.load(handle)
-        self.choices.update({key: _choice_from_json(c) for key, c in table.items()})
+    def load(self, path: str | os.PathLike) -> None:
+        self.choices.update({key: _choice_from_json(c) for key, c in _read_choice_table(path).items()})
+
+
+def _read_choice_table(path: str | os.PathLike) -> dict:
+    """A table written by `KernelChooser.save`, or a ValueError that names the file."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not a kernel-choice table ({error}); give KernelChooser.save's file") from error
+    if not isinstance(table, dict):
+        raise ValueError(f"{path} is not a kernel-choice table (a JSON object of key -> choice)")
+    return table
 
 
 _CUDA_KERNEL_CHOICES = (MMAConfig, TileConfig, WgmmaConfig)
