@@ -6,7 +6,9 @@ for every shape class and kernel configuration. Tolerance: relative error 1e-2 (
 accumulation), never NaN; dequantisation is bit-exact.
 """
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,6 +230,20 @@ def test_kernel_choices_saved_for_one_device_merge_into_an_existing_table(tmp_pa
     (tmp_path / "broken.json").write_text('{"H100|bf')  # e.g. a copy cut short
     with pytest.raises(ValueError, match="broken.json is not a kernel-choice table"):
         merged.load(tmp_path / "broken.json")
+
+
+def test_each_shipped_table_holds_the_choices_of_the_gpu_it_is_named_after():
+    """`nvfp4/tuned/<device name, spaces as underscores>.json`: every key names that GPU (a table saved without
+    ``device=`` would carry the other shipped tables too) and every entry reads back as a choice."""
+    tables = sorted((Path(K.__file__).parent / "tuned").glob("*.json"))
+    assert tables
+    for table in tables:
+        device = table.stem.replace("_", " ")
+        entries = json.loads(table.read_text())
+        assert entries, table.name
+        for key, entry in entries.items():
+            assert key.split("|", 1)[0] == device, (table.name, key)
+            K._choice_from_json(entry)
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------
