@@ -452,9 +452,10 @@ def main() -> None:
             results.append(run_mode(mode, batch, checkpoint, tokenizer, args))
             print(json.dumps(results[-1]), flush=True)  # a later failure must not lose this row
 
+    card = device_name()
     print(f"\nOne GRPO step, {args.model} shapes, completions x ({args.prompt_tokens} prompt + "
           f"{args.completion_tokens} completion tokens), LoRA r{args.lora_r}, gradient checkpointing, rollouts: "
-          f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step; {device_name()}")  # fmt: skip
+          f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step; {card}")  # fmt: skip
     print("| batch | mode | step s | each step s | rollout s | reward s | log-prob s | fwd+bwd s | rollout tok/s | peak GB "
           "| frozen weights GB | trainable GB | optimizer GB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -469,14 +470,12 @@ def main() -> None:
         for r in rows[:-1]:
             print(f"batch {batch}: {comparison(r, rows[-1])}")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"args": vars(args), "device": device_name(), "results": results}, indent=2)
-        )
+        Path(args.json).write_text(json.dumps({"args": vars(args), "device": card, "results": results}, indent=2))
     if args.choices:
         from trl_qerl.nvfp4.kernels import CHOOSER
 
-        saved = CHOOSER.save(args.choices, device=device_name(), merge=True)
-        print(f"{saved} kernel choices for {device_name()} in {args.choices}")
+        saved = CHOOSER.save(args.choices, device=card, merge=True)
+        print(f"{saved} kernel choices for {card} in {args.choices}")
 
 
 if __name__ == "__main__":
