@@ -49,7 +49,6 @@ from typing import TypeVar
 import torch
 import triton
 
-from .._atomic import write_atomically
 from . import cuda_mma, cuda_wgmma, nvrtc, twiddle
 from ._matmul_kernel import _dequantize_kernel, _nvfp4_gemv_kernel, _nvfp4_matmul_kernel, _splitk_reduce_kernel
 from .cuda_mma import MMAConfig, TileConfig
@@ -638,7 +637,9 @@ class KernelChooser:
             ours = {key: choice for key, choice in ours.items() if key.split("|", 1)[0] == device}
         table = _read_choice_table(path) if merge and Path(path).exists() else {}
         table.update(ours)
-        write_atomically(path, json.dumps(dict(sorted(table.items())), indent=1))  # never a merged table half written
+        partial = Path(f"{path}.partial")  # a rename, so a crash never leaves a merged table half written
+        partial.write_text(json.dumps(dict(sorted(table.items())), indent=1))
+        os.replace(partial, path)
         return len(table)
 
     def load(self, path: str | os.PathLike) -> None:
