@@ -76,6 +76,18 @@ def test_kernel_cross_compiles_for_each_target(arch):
 
 
 @needs_nvrtc
+def test_the_cubin_cache_writes_whole_files_and_reads_them_back(tmp_path, monkeypatch):
+    """`nvrtc.cached_cubin` stores the cubin and its lowered name through `_files.write_atomically`: the second call
+    reads the same bytes from disk and no temporary file is left in the cache."""
+    monkeypatch.setenv("TRL_QERL_CACHE", str(tmp_path))
+    name_expression = BUILD_CONFIGS[0].name_expression(torch.bfloat16)
+    first = nvrtc.cached_cubin(cuda_mma.source(), name_expression, "sm_80")
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda *args: pytest.fail("the cache was not read"))
+    assert nvrtc.cached_cubin(cuda_mma.source(), name_expression, "sm_80") == first
+    assert sorted(path.suffix for path in (tmp_path / "nvrtc").iterdir()) == [".cubin", ".name"]
+
+
+@needs_nvrtc
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 @pytest.mark.parametrize("config", BUILD_CONFIGS[:2], ids=str)
 def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):

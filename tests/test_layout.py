@@ -81,13 +81,16 @@ def test_the_vllm_trainer_backend_and_the_server_do_not_import_each_other():
 def test_the_kernel_ops_are_a_leaf_of_the_nvfp4_layer():
     graph = _graph()
     allowed = {"trl_qerl.nvfp4.format", "trl_qerl.nvfp4.cuda_mma", "trl_qerl.nvfp4.cuda_wgmma", "trl_qerl.nvfp4.nvrtc",
-               "trl_qerl.nvfp4.lora_terms", "trl_qerl.nvfp4.twiddle", "trl_qerl.nvfp4._matmul_kernel"}  # fmt: skip
+               "trl_qerl.nvfp4.lora_terms", "trl_qerl.nvfp4.twiddle", "trl_qerl.nvfp4._matmul_kernel",
+               "trl_qerl.nvfp4._files"}  # fmt: skip
     assert not graph["trl_qerl.nvfp4.kernels"] - allowed
     assert not graph["trl_qerl.nvfp4._matmul_kernel"]
     assert not graph["trl_qerl.nvfp4.cuda_wgmma"] - {"trl_qerl.nvfp4.cuda_mma", "trl_qerl.nvfp4.nvrtc",
                                                      "trl_qerl.nvfp4.twiddle"}  # fmt: skip
     assert not graph["trl_qerl.nvfp4.cuda_mma"] - {"trl_qerl.nvfp4.nvrtc", "trl_qerl.nvfp4.twiddle"}
-    assert not graph["trl_qerl.nvfp4.nvrtc"]
+    assert not graph["trl_qerl.nvfp4.nvrtc"] - {"trl_qerl.nvfp4._files"}
+    # whole-file writes: standard library only, shared by the kernel table, the cubin cache and the checkpoints
+    assert not graph["trl_qerl.nvfp4._files"]
     # the code order and its window: below every reader of the codes (its Triton pass is a leaf of its own)
     assert not graph["trl_qerl.nvfp4.twiddle"] - {"trl_qerl.nvfp4._twiddle_kernel"}
     assert not graph["trl_qerl.nvfp4._twiddle_kernel"]

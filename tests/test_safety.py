@@ -64,6 +64,14 @@ def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
+def test_atomic_write_of_bytes_leaves_only_the_file(tmp_path):
+    """The NVRTC cubin cache writes bytes through the same helper: no temporary file stays beside the result."""
+    target = tmp_path / "kernel.cubin"
+    write_atomically(target, b"\x7fELF\x00\x01")
+    write_atomically(target, b"\x7fELF\x00\x02")
+    assert target.read_bytes() == b"\x7fELF\x00\x02" and [p.name for p in tmp_path.iterdir()] == ["kernel.cubin"]
+
+
 def test_an_unwritable_output_dir_is_refused_before_any_work(checkpoint, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -32,28 +32,14 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .nvfp4._files import write_atomically
+
 
 logger = logging.getLogger(__name__)
 
 MARKER = "qerl_checkpoint.json"
 BASE_FINGERPRINT = "qerl_base.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
-
-def write_atomically(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename: readers see the old
-    file or the whole new one, never a truncated one."""
-    path = Path(path)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def check_output_dir(

@@ -50,6 +50,7 @@ import torch
 import triton
 
 from . import cuda_mma, cuda_wgmma, nvrtc, twiddle
+from ._files import write_atomically
 from ._matmul_kernel import _dequantize_kernel, _nvfp4_gemv_kernel, _nvfp4_matmul_kernel, _splitk_reduce_kernel
 from .cuda_mma import MMAConfig, TileConfig
 from .cuda_wgmma import WgmmaConfig
@@ -637,9 +638,7 @@ class KernelChooser:
             ours = {key: choice for key, choice in ours.items() if key.split("|", 1)[0] == device}
         table = _read_choice_table(path) if merge and Path(path).exists() else {}
         table.update(ours)
-        partial = Path(f"{path}.partial")  # a rename, so a crash never leaves a merged table half written
-        partial.write_text(json.dumps(dict(sorted(table.items())), indent=1))
-        os.replace(partial, path)
+        write_atomically(path, json.dumps(dict(sorted(table.items())), indent=1))
         return len(table)
 
     def load(self, path: str | os.PathLike) -> None:

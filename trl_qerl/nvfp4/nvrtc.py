@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ._files import write_atomically
+
 
 class NVRTCError(RuntimeError):
     """NVRTC or the CUDA driver was missing or refused a kernel (the caller falls back to another kernel)."""
@@ -179,10 +181,8 @@ def cached_cubin(source: str, name_expression: str, arch: str, options: tuple[st
     cubin, lowered = compile_cubin(source, name_expression, arch, options)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        for path, data in ((name_path, lowered.encode()), (cubin_path, cubin)):
-            partial = path.with_suffix(f".{os.getpid()}.partial")
-            partial.write_bytes(data)
-            os.replace(partial, path)
+        write_atomically(name_path, lowered)
+        write_atomically(cubin_path, cubin)
     except OSError:  # a read-only home: compile again next time
         pass
     return cubin, lowered
