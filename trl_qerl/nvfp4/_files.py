@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write ``data`` (text or bytes) to ``path`` through a temporary file in the same directory and a rename.
+    """Write ``data`` (text, as UTF-8, or bytes) to ``path`` through a temporary file in the same directory and a rename.
 
     The temporary name is unique per call, so processes writing the same path at once never share a half-written
     file: the last rename wins, whole. A failed write removes its temporary file and raises.
@@ -20,7 +20,8 @@ def write_atomically(path: str | os.PathLike, data: str | bytes) -> None:
     path = Path(path)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
-        with os.fdopen(handle, "wb" if isinstance(data, bytes) else "w") as file:
+        text = not isinstance(data, bytes)
+        with os.fdopen(handle, "w" if text else "wb", encoding="utf-8" if text else None) as file:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
