@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 import subprocess
 
@@ -85,6 +86,27 @@ def test_the_cubin_cache_writes_whole_files_and_reads_them_back(tmp_path, monkey
     monkeypatch.setattr(nvrtc, "compile_cubin", lambda *args: pytest.fail("the cache was not read"))
     assert nvrtc.cached_cubin(cuda_mma.source(), name_expression, "sm_80") == first
     assert sorted(path.suffix for path in (tmp_path / "nvrtc").iterdir()) == [".cubin", ".name"]
+
+
+@needs_nvrtc
+def test_cubin_cache_benchmark_times_each_write_and_leaves_no_files(tmp_path):
+    """`scripts/bench_cubin_cache.py` (no GPU): its table has the four timed columns, and its scratch directory
+    beside the cache is removed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).parents[1] / "scripts"
+    command = [sys.executable, str(scripts / "bench_cubin_cache.py"), "--instances", "1", "--arch", "sm_80"]
+    env = {**os.environ, "TRL_QERL_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300, env=env).stdout
+    assert "1 decode-kernel instances" in out
+    for column in ("compile", "write (before)", "write (now)", "read"):
+        assert f"| {column} | " in out, out
+    assert "write now / before:" in out
+    assert list((tmp_path / "cache").iterdir()) == []  # the scratch directory is gone; nothing else was written
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([*command[:2], "--instances", "0"], check=True, capture_output=True, env=env)
 
 
 @needs_nvrtc
