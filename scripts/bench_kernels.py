@@ -307,7 +307,7 @@ def main() -> None:
     args = parser.parse_args()
     cuda_mma.SPLIT_K_CANDIDATES = args.split_k or cuda_mma.SPLIT_K_CANDIDATES
     if args.retune is not None:
-        stale = [key for key in kernels.CHOOSER.choices if int(key.split("|")[2]) >= args.retune]
+        stale = [key for key in kernels.CHOOSER.choices if kernels.ChoiceKey.parse(key).rows >= args.retune]
         for key in stale:
             del kernels.CHOOSER.choices[key]
     if args.precompile:

@@ -232,6 +232,26 @@ def test_kernel_choices_saved_for_one_device_merge_into_an_existing_table(tmp_pa
         merged.load(tmp_path / "broken.json")
 
 
+def test_choice_keys_read_back_into_their_fields(monkeypatch):
+    """`KernelChooser.key` -> `ChoiceKey.parse` keeps every field (the tables' device filter and
+    ``bench_kernels --retune`` read them), and a malformed key is refused by name."""
+    monkeypatch.setattr(K, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")  # no GPU asked on CPU
+    monkeypatch.setattr(K.nvrtc, "device_index", lambda device: 0)
+    rows = torch.empty(5, 3584, dtype=torch.bfloat16, device="meta")
+    assert K.ChoiceKey.parse(K.KernelChooser.key(rows, 4608, 3584, group=3)) == K.ChoiceKey(
+        "NVIDIA H100 80GB HBM3", "bfloat16", 8, 4608, 3584, 3
+    )
+    assert K.ChoiceKey.parse(K.KernelChooser.key(rows[:1].half(), 3584, 18944)) == K.ChoiceKey(
+        "NVIDIA H100 80GB HBM3", "float16", 1, 3584, 18944, 1
+    )
+    lora = K.KernelChooser.lora_key(rows, 37888, 3584, group=2, rank=32)
+    assert K.ChoiceKey.parse(lora) == K.ChoiceKey("NVIDIA H100 80GB HBM3", "bfloat16", 8, 37888, 3584, 2, 32)
+    for bad in ("H100|bfloat16|8|4608", "H100|bfloat16|eight|4608|3584", "H100|bfloat16|8|4608|3584|3",
+                "H100|bfloat16|8|4608|3584|lora32|x2"):  # fmt: skip
+        with pytest.raises(ValueError, match="is not a kernel-choice key"):
+            K.ChoiceKey.parse(bad)
+
+
 def test_each_shipped_table_holds_the_choices_of_the_gpu_it_is_named_after():
     """`nvfp4/tuned/<device name, spaces as underscores>.json`: every key names that GPU (a table saved without
     ``device=`` would carry the other shipped tables too) and every entry reads back as a choice."""
@@ -242,7 +262,7 @@ def test_each_shipped_table_holds_the_choices_of_the_gpu_it_is_named_after():
         entries = json.loads(table.read_text())
         assert entries, table.name
         for key, entry in entries.items():
-            assert key.split("|", 1)[0] == device, (table.name, key)
+            assert K.ChoiceKey.parse(key).device == device, (table.name, key)
             K._choice_from_json(entry)
 
 

@@ -44,7 +44,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 import triton
@@ -481,6 +481,36 @@ def _retire_once(
         )  # fmt: skip
 
 
+class ChoiceKey(NamedTuple):
+    """The fields of a `KernelChooser.key` or `KernelChooser.lora_key` string, read back by the tables' device
+    filter, ``bench_kernels --retune`` and tests (so that none of them splits the string by position)."""
+
+    device: str
+    """``torch.cuda.get_device_name()`` of the GPU the choice was timed on."""
+    dtype: str
+    """Activation dtype without ``torch.``: ``bfloat16`` or ``float16``."""
+    rows: int
+    """The row bucket (`m_bucket`)."""
+    n: int
+    k: int
+    group: int = 1
+    """Weights in one launch (``key``'s ``group``)."""
+    lora_rank: int = 0
+    """The LoRA rank of a `lora_key`'s fused launch; 0 for a plain product."""
+
+    @classmethod
+    def parse(cls, key: str) -> ChoiceKey:
+        """The fields of ``key``, or a ValueError that names it."""
+        match = _CHOICE_KEY.fullmatch(key)
+        if match is None:
+            raise ValueError(f"{key!r} is not a kernel-choice key (device|dtype|rows|n|k[|x<group>][|lora<rank>])")
+        device, dtype, rows, n, k, group, rank = match.groups()
+        return cls(device, dtype, int(rows), int(n), int(k), int(group or 1), int(rank or 0))
+
+
+_CHOICE_KEY = re.compile(r"([^|]+)\|([^|]+)\|(\d+)\|(\d+)\|(\d+)(?:\|x(\d+))?(?:\|lora(\d+))?")
+
+
 class KernelChooser:
     """Caches the fastest kernel per (device name, dtype, M bucket, N, K), timing the candidates the first time
     a key is seen outside CUDA-graph capture. ``NVFP4_AUTOTUNE=0`` uses `heuristic_config` instead; `save`/`load`
@@ -635,7 +665,7 @@ class KernelChooser:
         """
         ours = {key: _choice_to_json(c) for key, c in self.choices.items()}
         if device is not None:
-            ours = {key: choice for key, choice in ours.items() if key.split("|", 1)[0] == device}
+            ours = {key: choice for key, choice in ours.items() if ChoiceKey.parse(key).device == device}
         table = _read_choice_table(path) if merge and Path(path).exists() else {}
         table.update(ours)
         write_atomically(path, json.dumps(dict(sorted(table.items())), indent=1))
