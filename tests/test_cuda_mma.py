@@ -92,7 +92,6 @@ def test_the_cubin_cache_writes_whole_files_and_reads_them_back(tmp_path, monkey
 def test_cubin_cache_benchmark_times_each_write_and_leaves_no_files(tmp_path):
     """`scripts/bench_cubin_cache.py` (no GPU): its table has the four timed columns, and its scratch directory
     beside the cache is removed."""
-    import subprocess
     import sys
     from pathlib import Path
 
