@@ -213,17 +213,19 @@ def test_kernel_choices_saved_for_one_device_merge_into_an_existing_table(tmp_pa
     second.choices = {
         "H100|bfloat16|8|3584|3584": K.DequantChunks(0),  # timed again in a later run: the later run wins
         "H100|bfloat16|1|7168|5120|x3": K.FusedConfig(1, 64, 128, 1),  # from a 32B run
+        "H100|bfloat16|1|7168|5120|x3|lanes": K.DEQUANT_CUBLAS,  # the decode window's key (`_twiddled_choice`)
     }
-    assert second.save(table, device="H100", merge=True) == 3
+    assert second.save(table, device="H100", merge=True) == 4
     merged = K.KernelChooser(autotune=False)
     merged.load(table)
     assert merged.choices == {
         "H100|bfloat16|1|4608|3584|x3": K.FusedConfig(16, 64, 256, 2),
         "H100|bfloat16|8|3584|3584": K.DequantChunks(0),
         "H100|bfloat16|1|7168|5120|x3": K.FusedConfig(1, 64, 128, 1),
+        "H100|bfloat16|1|7168|5120|x3|lanes": K.DEQUANT_CUBLAS,
     }
     assert sorted(path.name for path in tmp_path.iterdir()) == ["H100.json"]  # no partial file left behind
-    assert second.save(table, device="H100") == 2  # without merge the file holds this chooser's choices only
+    assert second.save(table, device="H100") == 3  # without merge the file holds this chooser's choices only
     (tmp_path / "notes.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="notes.json is not a kernel-choice table"):
         second.save(tmp_path / "notes.json", merge=True)
@@ -246,8 +248,12 @@ def test_choice_keys_read_back_into_their_fields(monkeypatch):
     )
     lora = K.KernelChooser.lora_key(rows, 37888, 3584, group=2, rank=32)
     assert K.ChoiceKey.parse(lora) == K.ChoiceKey("NVIDIA H100 80GB HBM3", "bfloat16", 8, 37888, 3584, 2, 32)
+    for window in ("twiddled", "lanes"):  # `_twiddled_choice`'s keys, saved by `bench_rollout --choices`
+        windowed = K.ChoiceKey.parse(f"{K.KernelChooser.key(rows, 4608, 3584, group=3)}|{window}")
+        assert windowed == K.ChoiceKey("NVIDIA H100 80GB HBM3", "bfloat16", 8, 4608, 3584, 3, 0, window)
     for bad in ("H100|bfloat16|8|4608", "H100|bfloat16|eight|4608|3584", "H100|bfloat16|8|4608|3584|3",
-                "H100|bfloat16|8|4608|3584|lora32|x2"):  # fmt: skip
+                "H100|bfloat16|8|4608|3584|lora32|x2", "H100|bfloat16|8|4608|3584|lanes|x3",
+                "H100|bfloat16|8|4608|3584|swizzled"):  # fmt: skip
         with pytest.raises(ValueError, match="is not a kernel-choice key"):
             K.ChoiceKey.parse(bad)
 

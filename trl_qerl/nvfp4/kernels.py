@@ -497,18 +497,23 @@ class ChoiceKey(NamedTuple):
     """Weights in one launch (``key``'s ``group``)."""
     lora_rank: int = 0
     """The LoRA rank of a `lora_key`'s fused launch; 0 for a plain product."""
+    window: str = ""
+    """The codes' order inside `twiddle.twiddled_codes` (``twiddled`` or ``lanes``, `KernelChooser._twiddled_choice`);
+    empty for the standard order."""
 
     @classmethod
     def parse(cls, key: str) -> ChoiceKey:
         """The fields of ``key``, or a ValueError that names it."""
         match = _CHOICE_KEY.fullmatch(key)
         if match is None:
-            raise ValueError(f"{key!r} is not a kernel-choice key (device|dtype|rows|n|k[|x<group>][|lora<rank>])")
-        device, dtype, rows, n, k, group, rank = match.groups()
-        return cls(device, dtype, int(rows), int(n), int(k), int(group or 1), int(rank or 0))
+            raise ValueError(
+                f"{key!r} is not a kernel-choice key (device|dtype|rows|n|k[|x<group>][|lora<rank>][|twiddled|lanes])"
+            )
+        device, dtype, rows, n, k, group, rank, window = match.groups()
+        return cls(device, dtype, int(rows), int(n), int(k), int(group or 1), int(rank or 0), window or "")
 
 
-_CHOICE_KEY = re.compile(r"([^|]+)\|([^|]+)\|(\d+)\|(\d+)\|(\d+)(?:\|x(\d+))?(?:\|lora(\d+))?")
+_CHOICE_KEY = re.compile(r"([^|]+)\|([^|]+)\|(\d+)\|(\d+)\|(\d+)(?:\|x(\d+))?(?:\|lora(\d+))?(?:\|(twiddled|lanes))?")
 
 
 class KernelChooser:
@@ -605,7 +610,7 @@ class KernelChooser:
         m, k = x.shape
         n = sum(w[0].shape[0] for w in weights)
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        window_key = f"{key}|lanes" if twiddle.lane_order() else f"{key}|twiddled"
+        window_key = f"{key}|lanes" if twiddle.lane_order() else f"{key}|twiddled"  # `ChoiceKey.window`
         if window_key not in self.choices:
             if not self.autotune or torch.cuda.is_current_stream_capturing():
                 return cuda_mma.heuristic_config(m, n, k, num_sms)
