@@ -433,6 +433,8 @@ def main() -> None:
                         "`trl_qerl/nvfp4/tuned/`")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.steps < 2:  # the warm-up step is not averaged: one step would leave no row to report
+        parser.error(f"--steps {args.steps} leaves no measured step (the first is warm-up); give 2 or more")
     if args.profile_train and args.profile_host:
         parser.error("--profile-train and --profile-host each add a profiled step; give one of them")
     warnings.filterwarnings("ignore")

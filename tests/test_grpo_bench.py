@@ -30,6 +30,13 @@ def test_eos_ids_spread_over_the_vocabulary_and_keep_the_tokenizers_own():
     assert (pad_setting("auto"), pad_setting("none"), pad_setting("64")) == ("auto", None, 64)
 
 
+def test_grpo_bench_refuses_a_run_without_a_measured_step():
+    """``--steps 1`` is only the warm-up: refused up front by name, not a StatisticsError after the model is built."""
+    command = [sys.executable, str(SCRIPTS / "bench_grpo_step.py"), "--model", "tiny", "--steps", "1"]
+    done = subprocess.run(command, cwd=SCRIPTS, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--steps 1 leaves no measured step" in done.stderr
+
+
 @pytest.mark.slow
 def test_grpo_bench_with_a_length_spread_on_cpu(tmp_path):
     out = tmp_path / "rows.json"
