@@ -234,6 +234,26 @@ def test_kernel_choices_saved_for_one_device_merge_into_an_existing_table(tmp_pa
         merged.load(tmp_path / "broken.json")
 
 
+def test_a_one_weight_group_takes_the_single_product_choice(monkeypatch, tmp_path):
+    """`choose_group` of one weight shares `choose`'s key: it must ask `choose` and never store a group-only choice
+    there (the H100 sweep of 2026-12-06 stored `SEPARATE` under down's key and the next single product crashed), and a
+    table that holds one is refused by name."""
+    chooser = K.KernelChooser(autotune=False)
+    picked = K.FusedConfig(16, 64, 256, 2)
+    monkeypatch.setattr(chooser, "choose", lambda x, *weight: picked)
+    weight = (torch.empty(8, 16, dtype=torch.uint8), torch.empty(8, 2), torch.ones(()))
+    assert chooser.choose_group(torch.empty(1, 32, dtype=torch.bfloat16), [weight]) is picked
+    assert chooser.choices == {}
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps({"H100|bfloat16|1|3584|18944": K.SEPARATE, "H100|bfloat16|1|4608|3584|x3": K.SEPARATE}))
+    with pytest.raises(ValueError, match=r"old.json: 'H100\|bfloat16\|1\|3584\|18944' holds 'separate products'"):
+        K.KernelChooser(autotune=False).load(bad)
+    bad.write_text(json.dumps({"H100|bfloat16|1|4608|3584|x3": K.SEPARATE}))  # a group's key may hold it
+    group_only = K.KernelChooser(autotune=False)
+    group_only.load(bad)
+    assert group_only.choices == {"H100|bfloat16|1|4608|3584|x3": K.SEPARATE}
+
+
 def test_choice_keys_read_back_into_their_fields(monkeypatch):
     """`KernelChooser.key` -> `ChoiceKey.parse` keeps every field (the tables' device filter and
     ``bench_kernels --retune`` read them), and a malformed key is refused by name."""
@@ -306,6 +326,21 @@ def test_chosen_kernel_is_correct(shape, m):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     _poison_allocator()
     _check(torch.ops.trl_qerl.nvfp4_linear(x, *quantized), _reference(x, quantized))
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8])
+def test_a_one_weight_group_then_its_single_product_with_fresh_timing(monkeypatch, m):
+    """Timed from scratch, a one-weight `grouped_linear` and then the plain product of the same weight both run and
+    match the reference (the sweep of 2026-12-06 crashed on the second: the group had stored `SEPARATE` there)."""
+    monkeypatch.setattr(K, "CHOOSER", K.KernelChooser(autotune=True))
+    n, k = SHAPES["down"]
+    quantized = _weight(n, k, seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    expected = _reference(x, quantized)
+    _check(K.grouped_linear(x, [quantized], [None]), expected)
+    _check(K.eager_linear(x, *quantized), expected)
+    assert K.SEPARATE not in K.CHOOSER.choices.values()
 
 
 @needs_cuda

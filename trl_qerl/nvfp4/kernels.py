@@ -481,6 +481,10 @@ def _retire_once(
         )  # fmt: skip
 
 
+SEPARATE = "separate products"
+"""A grouped product computed one weight at a time (each with its own chosen kernel)."""
+
+
 class ChoiceKey(NamedTuple):
     """The fields of a `KernelChooser.key` or `KernelChooser.lora_key` string, read back by the tables' device
     filter, ``bench_kernels --retune`` and tests (so that none of them splits the string by position)."""
@@ -560,7 +564,10 @@ class KernelChooser:
     def choose_group(self, x, weights: Sequence[cuda_mma.Weight]) -> Choice:
         """One launch of a CUDA kernel over ``weights`` (an `MMAConfig`, `TileConfig` or `WgmmaConfig`), the group
         dequantised into one buffer (`DequantChunks`) or `SEPARATE` products, whichever is faster (callers check
-        `mma_usable`)."""
+        `mma_usable`). One weight is `choose`'s call: its key is the single product's, which must never hold a
+        group-only choice such as `SEPARATE` (the product would then have no kernel to run)."""
+        if len(weights) == 1:
+            return self.choose(x, *weights[0])
         m, k = x.shape
         n = sum(w[0].shape[0] for w in weights)
         key = self.key(x, n, k, len(weights))
@@ -677,7 +684,16 @@ class KernelChooser:
         return len(table)
 
     def load(self, path: str | os.PathLike) -> None:
-        self.choices.update({key: _choice_from_json(c) for key, c in _read_choice_table(path).items()})
+        """Adds the choices of a table written by `save`; a ValueError names the file and the key of an entry that
+        no call could run (`SEPARATE` under a single product's key, as tables saved before 2026-12-06 could hold)."""
+        table = {key: _choice_from_json(c) for key, c in _read_choice_table(path).items()}
+        for key, choice in table.items():
+            if choice == SEPARATE and ChoiceKey.parse(key).group == 1:
+                raise ValueError(
+                    f"{path}: {key!r} holds {SEPARATE!r}, a choice for a group of weights, under one weight's key; "
+                    "delete that entry (the product is timed again on first use)"
+                )
+        self.choices.update(table)
 
 
 def _read_choice_table(path: str | os.PathLike) -> dict:
@@ -822,10 +838,6 @@ def _fused(x, weight_packed, weight_scale, weight_global_scale):
         return torch.nn.functional.linear(x, _dense(weight_packed, weight_scale, weight_global_scale, x.dtype))
 
     return guarded("matmul", x.device, x.dtype, launch, fallback)
-
-
-SEPARATE = "separate products"
-"""A grouped product computed one weight at a time (each with its own chosen kernel)."""
 
 
 def _separate_products(x, weights: Sequence[cuda_mma.Weight], biases: Sequence[torch.Tensor | None]):
