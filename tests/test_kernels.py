@@ -290,6 +290,7 @@ def test_each_shipped_table_holds_the_choices_of_the_gpu_it_is_named_after():
         for key, entry in entries.items():
             assert K.ChoiceKey.parse(key).device == device, (table.name, key)
             K._choice_from_json(entry)
+        K.KernelChooser(autotune=False).load(table)  # what import does: no entry `load` refuses
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------
