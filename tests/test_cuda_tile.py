@@ -88,9 +88,9 @@ def test_candidates_only_where_the_tiled_kernel_applies():
 def test_chooser_saves_tiled_kernel_choices(tmp_path):
     chooser = kernels.KernelChooser(autotune=False)
     chooser.choices = {
-        "a": cuda_mma.TileConfig(2, 8, 4, 3, 2),
-        "b": cuda_mma.MMAConfig(1, 1, 4),
-        "c": kernels.SEPARATE,
+        "H100|bfloat16|64|3584|3584": cuda_mma.TileConfig(2, 8, 4, 3, 2),
+        "H100|bfloat16|1|3584|3584": cuda_mma.MMAConfig(1, 1, 4),
+        "H100|bfloat16|1024|4608|3584|x3": kernels.SEPARATE,  # a group's choice, under a group's key (`load` checks)
     }
     chooser.save(tmp_path / "c.json")
     loaded = kernels.KernelChooser(autotune=False)
