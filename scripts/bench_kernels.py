@@ -223,7 +223,7 @@ def bench_point(layer: Layer, rows: int, variants: list[str], pdl: bool = False)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if variants and rows <= kernels.MMA_MAX_ROWS and cuda_mma.supports(x, layer.members[0]):
         result["sweep_s"] = {}
-        for variant in variants:
+        for variant in (v for v in variants if not wgmma_only(v)):
             options = nvrtc.define_flags(variant)
             for config in cuda_mma.candidate_configs(rows, n, k, num_sms):
                 calls = [lambda m=m, c=config, o=options: cuda_mma.matmul(x, m, c, options=o) for m in layer.members]
@@ -245,14 +245,46 @@ def bench_point(layer: Layer, rows: int, variants: list[str], pdl: bool = False)
                 label = f"{variant}|{config}" if variant else str(config)
                 try:
                     result.setdefault("sweep_s", {})[label] = graph_time(calls, repeats=7)
+                    # a build switch may change the products (NVFP4_WGMMA_PROFILE on purpose): say so per instance
+                    result.setdefault("sweep_rel_err", {})[label] = relative_error(reference, calls[0]())
                 except RuntimeError as error:
                     result.setdefault("sweep_s", {})[label] = repr(error)[:200]
     return result
 
 
-def precompile(models: list[str], shapes: list[str], rows: list[int], processes: int) -> float:
-    """Builds every CUDA-kernel instance the chooser may time for these points into NVRTC's disk cache, in
-    ``processes`` worker processes; returns the seconds it took."""
+def wgmma_only(variant: str) -> bool:
+    """Whether a ``--variants`` entry switches only the wgmma kernel's source (``NVFP4_WGMMA_*``): the decode
+    kernel's sweep skips it rather than time identical builds."""
+    return bool(variant) and all(define.startswith("NVFP4_WGMMA_") for define in variant.split(","))
+
+
+def best_per_variant(result: dict, variants: list[str]) -> str:
+    """One line: the fastest wgmma instance of each ``--variants`` build at this point, µs, with its relative
+    error (the sweep's ``sweep_s`` / ``sweep_rel_err``)."""
+    cells = []
+    for variant in variants:
+        prefix = f"{variant}|" if variant else ""
+        timed = {
+            label[len(prefix) :]: seconds
+            for label, seconds in result.get("sweep_s", {}).items()
+            if isinstance(seconds, float)
+            and "wgmma" in label
+            and label.startswith(prefix)
+            and (variant or label.startswith("wgmma"))
+        }
+        if not timed:
+            continue
+        config = min(timed, key=timed.get)
+        error = result.get("sweep_rel_err", {}).get(prefix + config, float("nan"))
+        cells.append(f"{variant or 'default'}: {config} {timed[config] * 1e6:.1f} µs (err {error:.1e})")
+    return "; ".join(cells)
+
+
+def precompile(models: list[str], shapes: list[str], rows: list[int], processes: int,
+               variants: tuple[str, ...] = ("",)) -> float:  # fmt: skip
+    """Builds every CUDA-kernel instance the chooser may time for these points into NVRTC's disk cache (the wgmma
+    instances also in each of ``variants``' builds), in ``processes`` worker processes; returns the seconds it
+    took."""
     from concurrent.futures import ProcessPoolExecutor
 
     start = time.time()
@@ -268,16 +300,18 @@ def precompile(models: list[str], shapes: list[str], rows: list[int], processes:
                 for choice in kernels.candidate_configs(bucket, n, k, num_sms, mma=True, device=torch.device("cuda")):
                     if hasattr(choice, "name_expression"):  # the CUDA kernels' configs
                         arch = f"sm_{major}{minor}" + ("a" if getattr(choice, "arch_specific", False) else "")
-                        names.add((choice.name_expression(torch.bfloat16), arch))
-    names.add((cuda_mma.reduce_name(torch.bfloat16), f"sm_{major}{minor}"))
+                        builds = variants if isinstance(choice, cuda_wgmma.WgmmaConfig) else ("",)
+                        for variant in builds:
+                            names.add((choice.name_expression(torch.bfloat16), arch, nvrtc.define_flags(variant)))
+    names.add((cuda_mma.reduce_name(torch.bfloat16), f"sm_{major}{minor}", ()))
     with ProcessPoolExecutor(processes) as pool:
         list(pool.map(_build, sorted(names)))
     return time.time() - start
 
 
-def _build(item: tuple[str, str]) -> None:
-    name, arch = item
-    nvrtc.cached_cubin(cuda_mma.source(), name, arch)
+def _build(item: tuple[str, str, tuple[str, ...]]) -> None:
+    name, arch, options = item
+    nvrtc.cached_cubin(cuda_mma.source(), name, arch, options)
 
 
 def main() -> None:
@@ -311,7 +345,8 @@ def main() -> None:
         for key in stale:
             del kernels.CHOOSER.choices[key]
     if args.precompile:
-        seconds = precompile(args.models, args.shapes, args.rows, args.precompile)
+        variants = tuple(args.variants) if args.sweep else ("",)
+        seconds = precompile(args.models, args.shapes, args.rows, args.precompile, variants)
         print(f"precompiled the CUDA kernels' candidates in {seconds:.0f} s")
 
     start = time.time()
@@ -339,6 +374,8 @@ def main() -> None:
                     r["floor_s"] = floor
                 results.append(r)
                 print(_row(name, r, bandwidth, args.pdl), flush=True)
+                if args.sweep and (best := best_per_variant(r, args.variants)):
+                    print(f"  {name} {rows} rows, fastest wgmma instance per build: {best}", flush=True)
             del layer
             torch.cuda.empty_cache()
             if args.json:

@@ -12,7 +12,9 @@ accumulation, relative error below 1e-2.
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -147,6 +149,38 @@ def test_hopper_main_loop_is_register_a_wgmma_within_budget(tmp_path, config):
 
 @needs_nvrtc
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.parametrize("depth", [2, 3])
+def test_deeper_builds_keep_more_groups_in_flight_without_serialising(tmp_path, depth):
+    """``-DNVFP4_WGMMA_DEPTH=d``: the main loop waits for all but ``d`` wgmma groups after each step (SASS:
+    ``WARPGROUP.DEPBAR.LE gsb0, d``), ptxas keeps the in-flight groups' A registers (more registers than depth 1, no
+    local memory) and serialises nothing."""
+    config = WgmmaConfig(2, 1, 64, 4)
+    name = config.name_expression(torch.bfloat16)
+    used = {}
+    for d in (1, depth):
+        logs: list[str] = []
+        options = ("-Xptxas=-v", f"-DNVFP4_WGMMA_DEPTH={d}")
+        cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90a", options, logs)
+        assert "serializ" not in logs[0].lower(), logs[0][-600:]
+        resources = resources_of(cubin, tmp_path)
+        assert resources["STACK"] == 0 and resources["LOCAL"] == 0, resources
+        used[d] = resources["REG"]
+        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass_of(cubin, tmp_path))
+        assert sorted(waits) == ["0x0"] + [f"0x{d}"] * 8, waits  # one per k16 step of the loop, all of them at the end
+    assert used[depth] > used[1]
+
+
+@needs_nvrtc
+def test_a_depth_past_one_block_does_not_build():
+    """More than 8 groups in flight would let a block start with the block before last still being read from the
+    slot the ring refills: the source refuses such a build."""
+    with pytest.raises(NVRTCError, match="NVFP4_WGMMA_DEPTH"):
+        nvrtc.compile_cubin(cuda_mma.source(), WgmmaConfig(2, 1, 64, 4).name_expression(torch.bfloat16), "sm_90a",
+                            ("-DNVFP4_WGMMA_DEPTH=9",))  # fmt: skip
+
+
+@needs_nvrtc
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 def test_builds_for_other_targets_carry_no_wgmma(tmp_path):
     """The source (one file with the mma.sync kernels) still builds for every target; outside sm_90a the wgmma
     kernel is a trap, which the launcher never reaches (`supports_wgmma`)."""
@@ -172,6 +206,16 @@ def _configs(m, n, k):
 @pytest.mark.parametrize("n,k", [(200, 384), (512, 3584), (1000, 1024)])
 def test_every_instance_matches_the_reference(dtype, m, n, k):
     check_every_instance(cuda_wgmma.wgmma_matmul, _configs(m, n, k), m, n, k, dtype, cuda_wgmma.supports_wgmma)
+
+
+@needs_hopper
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("m", [64, 200])
+def test_deeper_builds_match_the_reference(depth, m):
+    """The ``NVFP4_WGMMA_DEPTH`` builds (more wgmma groups in flight) on every candidate, odd rows and K split."""
+    options = (f"-DNVFP4_WGMMA_DEPTH={depth}",)
+    matmul = functools.partial(cuda_wgmma.wgmma_matmul, options=options)
+    check_every_instance(matmul, _configs(m, 1000, 1024), m, 1000, 1024, torch.bfloat16, cuda_wgmma.supports_wgmma)
 
 
 @needs_hopper

@@ -13,8 +13,8 @@
 // of codes and activations comes in by the Tensor Memory Accelerator (one thread issues three boxes per block,
 // completion counted on the slot's mbarrier; per-thread cp.async copies took twice as long on 7B gate_up at 256
 // rows: the load/store unit queue was full), the scales by cp.async. STAGES blocks in the ring, STAGES - 2 of them ahead of the one being
-// multiplied: the slot refilled at block i was last read by block i - 2's wgmmas, which have retired (at most one
-// wgmma group is in flight when a block starts). Every block is 8 k16 steps; a step decodes the thread's weights
+// multiplied: the slot refilled at block i was last read by block i - 2's wgmmas, which have retired (at most
+// NVFP4_WGMMA_DEPTH <= 8 wgmma groups, all of block i - 1, are in flight when a block starts). Every block is 8 k16 steps; a step decodes the thread's weights
 // into A registers (double-buffered by step parity), issues one wgmma per m64 tile and waits until the previous
 // step's group is done (so its registers may be reused).
 //
@@ -34,6 +34,15 @@
 // each 16-byte chunk's bytes transposed, so that its word t holds lane t's codes of both steps, and each word
 // twiddled. A lane reads that one word and decode_word (twiddled) gives its four pairs for the chunk: 9 instructions
 // and a 4-byte read per row and two steps, where the natural order takes ~2 x 11 and a 16-byte read.
+
+// wgmma groups (one per k16 step) left in flight after each step's commit: 1 keeps two A-register sets live, so a
+// step's MMAs overlap the next step's decode; more overlap the MMAs' latency with further steps' decodes (ptxas keeps
+// each group's A registers until its wait). At most 8 (one block), so that a block's start has no group of the block
+// before last in flight (the ring's refill below relies on it).
+#ifndef NVFP4_WGMMA_DEPTH
+#define NVFP4_WGMMA_DEPTH 1
+#endif
+static_assert(NVFP4_WGMMA_DEPTH >= 1 && NVFP4_WGMMA_DEPTH <= 8, "NVFP4_WGMMA_DEPTH: 1 to 8 groups in flight");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define NVFP4_WGMMA 1
@@ -347,7 +356,7 @@ __global__ void __launch_bounds__(128 * WG) nvfp4_wgmma_kernel(const u16* __rest
                          x_descriptor + ((u64)((step >> 2) * (L::X / 2) + (step & 3) * 32) >> 4));
         }
         wgmma_commit();
-        wgmma_wait<1>();
+        wgmma_wait<NVFP4_WGMMA_DEPTH>();
       }
     }
   }
