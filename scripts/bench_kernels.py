@@ -338,8 +338,12 @@ def main() -> None:
     parser.add_argument("--split-k", action="store_true",
                         help="offer the decode kernel's SPLIT_K builds (K over 2 or 4 CTAs of a tile) to the chooser "
                         "and the sweep (cuda_mma.SPLIT_K_CANDIDATES); combine with --retune 1 to time them")  # fmt: skip
+    parser.add_argument("--wgmma-deep", action="store_true",
+                        help="offer the wgmma kernel's deeper rings and wave-filling K splits to the chooser and the "
+                        "sweep (cuda_wgmma.DEEP_CANDIDATES)")  # fmt: skip
     args = parser.parse_args()
     cuda_mma.SPLIT_K_CANDIDATES = args.split_k or cuda_mma.SPLIT_K_CANDIDATES
+    cuda_wgmma.DEEP_CANDIDATES = args.wgmma_deep or cuda_wgmma.DEEP_CANDIDATES
     if args.retune is not None:
         stale = [key for key in kernels.CHOOSER.choices if kernels.ChoiceKey.parse(key).rows >= args.retune]
         for key in stale:

@@ -171,6 +171,31 @@ def test_deeper_builds_keep_more_groups_in_flight_without_serialising(tmp_path, 
 
 
 @needs_nvrtc
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.parametrize("config,depth", [(WgmmaConfig(2, 1, 64, 4), 1), (WgmmaConfig(2, 1, 128, 5), 3),
+                                          (WgmmaConfig(2, 1, 256, 3), 3)], ids=str)  # fmt: skip
+def test_the_default_build_keeps_three_groups_in_flight_from_128_tokens(tmp_path, config, depth):
+    cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(torch.bfloat16), "sm_90a")
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass_of(cubin, tmp_path))
+    assert sorted(waits) == ["0x0"] + [f"0x{depth}"] * 8, waits
+
+
+def test_deep_candidates_add_deeper_rings_and_wave_filling_splits(monkeypatch):
+    """`DEEP_CANDIDATES` keeps every shipped candidate and adds, per CTA shape, the deepest ring that fits once and
+    K splits for grids whose last wave is under half full (7B gate/up at 64 rows: 296 CTAs of 128 rows on 264 slots);
+    every instance still fits the shared memory."""
+    shipped = cuda_wgmma.wgmma_candidate_configs(64, 37888, 3584)
+    monkeypatch.setattr(cuda_wgmma, "DEEP_CANDIDATES", True)
+    deep = cuda_wgmma.wgmma_candidate_configs(64, 37888, 3584)
+    assert set(shipped) < set(deep) and len(deep) == len(set(deep))
+    assert WgmmaConfig(2, 1, 64, 8) in deep and WgmmaConfig(2, 1, 64, 4, split_k=2) in deep
+    assert all(c.shared_memory_bytes <= 227 * 1024 for c in deep)
+    # a grid that fills its waves gets no split: 4608 rows at 128 per CTA are 36 CTAs (split to fill the SMs as before)
+    small = cuda_wgmma.wgmma_candidate_configs(64, 4608, 3584)
+    assert WgmmaConfig(2, 1, 64, 8, split_k=2) in small and WgmmaConfig(2, 1, 64, 4, split_k=4) not in small
+
+
+@needs_nvrtc
 def test_a_depth_past_one_block_does_not_build():
     """More than 8 groups in flight would let a block start with the block before last still being read from the
     slot the ring refills: the source refuses such a build."""
@@ -196,7 +221,8 @@ def _configs(m, n, k):
     """The candidates plus instances they may not include: one warpgroup, every token width, split K, shallow and
     deep rings."""
     extra = [WgmmaConfig(1, 1, 64, 3), WgmmaConfig(2, 2, 64, 3, split_k=3), WgmmaConfig(1, 2, 128, 3, split_k=2),
-             WgmmaConfig(2, 1, 256, 3), WgmmaConfig(1, 1, 256, 3, split_k=2), WgmmaConfig(2, 1, 64, 6)]  # fmt: skip
+             WgmmaConfig(2, 1, 256, 3), WgmmaConfig(1, 1, 256, 3, split_k=2), WgmmaConfig(2, 1, 64, 6),
+             WgmmaConfig(2, 1, 64, 8), WgmmaConfig(1, 1, 64, 8, split_k=2)]  # fmt: skip
     return cuda_wgmma.wgmma_candidate_configs(max(m, 64), n, k) + extra
 
 

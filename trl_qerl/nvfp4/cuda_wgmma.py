@@ -24,12 +24,21 @@ from .cuda_mma import MAX_SEGMENTS, Weight, launch_tiled, supports_tile
 ROWS_PER_WARPGROUP_TILE = 64
 MAX_ACCUMULATORS = 128
 """fp32 accumulators per thread (``m64_tiles * tokens / 2``): more spill registers."""
+MAX_STAGES = 8
+"""Deepest shared-memory ring: 128-row x 64-token stages (25 KB) fit eight times in a Hopper CTA's 227 KB."""
+
+DEEP_CANDIDATES = False
+"""Whether `wgmma_candidate_configs` also offers, per CTA shape, the deepest ring that fits once in a multiprocessor
+(more bytes in flight for a CTA alone on its multiprocessor) and K splits of 2 and 4 for grids past one wave whose
+last wave is mostly empty. Off, by measurement (H100, 7B shapes at 64-256 rows, 2026-12-06, BENCHMARKS.md "The wgmma
+kernel with three groups in flight"): never the fastest instance; 8-stage rings and the splits of 7B gate/up at 64
+rows took 81-87 µs against 70 for the shipped candidates. ``bench_kernels.py --wgmma-deep`` times them."""
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
     """One instance: ``warpgroups`` (1 or 2) per CTA, each owning ``m64_tiles`` x 64 weight rows, ``tokens`` (64,
-    128 or 256) activation rows per CTA, ``stages`` 128-column blocks in the shared-memory ring (3-6) and K split
+    128 or 256) activation rows per CTA, ``stages`` 128-column blocks in the shared-memory ring (3-8) and K split
     over ``split_k`` CTAs."""
 
     warpgroups: int
@@ -44,7 +53,7 @@ class WgmmaConfig:
             self.warpgroups not in (1, 2)
             or self.m64_tiles not in (1, 2)
             or self.tokens not in (64, 128, 256)
-            or self.stages not in (3, 4, 5, 6)
+            or self.stages not in range(3, MAX_STAGES + 1)
             or self.split_k < 1
         ):
             raise ValueError(f"unsupported WgmmaConfig {self}")
@@ -164,7 +173,8 @@ def wgmma_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
     for warpgroups, m64_tiles, tokens in SHAPES:
         if tokens >= 2 * max(m, 64):
             continue
-        sizes = {s: WgmmaConfig(warpgroups, m64_tiles, tokens, s).shared_memory_bytes for s in (6, 5, 4, 3)}
+        depths = (6, 5, 4, 3) if not DEEP_CANDIDATES else tuple(range(MAX_STAGES, 2, -1))
+        sizes = {s: WgmmaConfig(warpgroups, m64_tiles, tokens, s).shared_memory_bytes for s in depths}
         twice = [s for s, size in sizes.items() if 2 * size <= shared_memory_limit]
         once = [s for s, size in sizes.items() if size <= shared_memory_limit]
         if not (twice or once):
@@ -175,4 +185,22 @@ def wgmma_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
         while ctas * split < num_sms and blocks >= 16 * split:
             split *= 2
         configs += [probe] + ([WgmmaConfig(warpgroups, m64_tiles, tokens, probe.stages, split)] if split > 1 else [])
-    return configs
+        if DEEP_CANDIDATES:
+            configs += _deep_configs(probe, once[0] if once else probe.stages, ctas, split, blocks, num_sms,
+                                     resident=2 if twice else 1)  # fmt: skip
+    return list(dict.fromkeys(configs))
+
+
+def _deep_configs(probe: WgmmaConfig, deepest: int, ctas: int, split: int, blocks: int, num_sms: int,
+                  resident: int) -> list[WgmmaConfig]:  # fmt: skip
+    """`DEEP_CANDIDATES`' extra instances of one CTA shape: the deepest ring that fits once, with the K split that
+    fills the multiprocessors; and for grids past one wave of ``resident`` CTAs per multiprocessor whose last wave
+    is under half full, K split 2 and 4 (more, shorter CTAs even out the waves)."""
+    shape = (probe.warpgroups, probe.m64_tiles, probe.tokens)
+    extra = []
+    if deepest > probe.stages:
+        extra.append(WgmmaConfig(*shape, deepest, split))
+    slots = num_sms * resident
+    if ctas > slots and 0 < ctas % slots <= slots // 2:
+        extra += [WgmmaConfig(*shape, probe.stages, s) for s in (2, 4) if blocks >= 4 * s]
+    return extra

@@ -14,9 +14,9 @@
 // completion counted on the slot's mbarrier; per-thread cp.async copies took twice as long on 7B gate_up at 256
 // rows: the load/store unit queue was full), the scales by cp.async. STAGES blocks in the ring, STAGES - 2 of them ahead of the one being
 // multiplied: the slot refilled at block i was last read by block i - 2's wgmmas, which have retired (at most
-// NVFP4_WGMMA_DEPTH <= 8 wgmma groups, all of block i - 1, are in flight when a block starts). Every block is 8 k16 steps; a step decodes the thread's weights
-// into A registers (double-buffered by step parity), issues one wgmma per m64 tile and waits until the previous
-// step's group is done (so its registers may be reused).
+// wgmma_depth() <= 8 wgmma groups, all of block i - 1, are in flight when a block starts). Every block is 8 k16
+// steps; a step decodes the thread's weights into A registers, issues one wgmma per m64 tile and waits until at most
+// wgmma_depth() groups are in flight (so the registers of the groups before may be reused).
 //
 // Shared memory of one stage (1024-byte aligned), for ROWS weight rows and N tokens:
 //   x      [2 halves][N][128 B]    the block's 128 columns as two 64-column halves, each token's 128 bytes swizzled
@@ -38,11 +38,18 @@
 // wgmma groups (one per k16 step) left in flight after each step's commit: 1 keeps two A-register sets live, so a
 // step's MMAs overlap the next step's decode; more overlap the MMAs' latency with further steps' decodes (ptxas keeps
 // each group's A registers until its wait). At most 8 (one block), so that a block's start has no group of the block
-// before last in flight (the ring's refill below relies on it).
+// before last in flight (the ring's refill below relies on it). 0 (the default) chooses by the CTA's token width:
+// 3 for 128 and 256 tokens, 1 for 64 (H100, 7B shapes at 64-256 rows, BENCHMARKS.md "The wgmma kernel with three
+// groups in flight": 2-8 % faster with 128+ tokens, 64-token CTAs no faster and up to 10 % slower).
 #ifndef NVFP4_WGMMA_DEPTH
-#define NVFP4_WGMMA_DEPTH 1
+#define NVFP4_WGMMA_DEPTH 0
 #endif
-static_assert(NVFP4_WGMMA_DEPTH >= 1 && NVFP4_WGMMA_DEPTH <= 8, "NVFP4_WGMMA_DEPTH: 1 to 8 groups in flight");
+static_assert(NVFP4_WGMMA_DEPTH >= 0 && NVFP4_WGMMA_DEPTH <= 8, "NVFP4_WGMMA_DEPTH: 1 to 8 groups in flight, 0 by tile");
+
+template <int TOKENS>
+__host__ __device__ constexpr int wgmma_depth() {
+  return NVFP4_WGMMA_DEPTH > 0 ? NVFP4_WGMMA_DEPTH : (TOKENS >= 128 ? 3 : 1);
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define NVFP4_WGMMA 1
@@ -356,7 +363,7 @@ __global__ void __launch_bounds__(128 * WG) nvfp4_wgmma_kernel(const u16* __rest
                          x_descriptor + ((u64)((step >> 2) * (L::X / 2) + (step & 3) * 32) >> 4));
         }
         wgmma_commit();
-        wgmma_wait<NVFP4_WGMMA_DEPTH>();
+        wgmma_wait<wgmma_depth<N>()>();
       }
     }
   }
