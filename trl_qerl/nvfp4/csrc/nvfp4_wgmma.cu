@@ -40,7 +40,7 @@
 // each group's A registers until its wait). At most 8 (one block), so that a block's start has no group of the block
 // before last in flight (the ring's refill below relies on it). 0 (the default) chooses by the CTA's token width:
 // 3 for 128 and 256 tokens, 1 for 64 (H100, 7B shapes at 64-256 rows, BENCHMARKS.md "The wgmma kernel with three
-// groups in flight": 2-8 % faster with 128+ tokens, 64-token CTAs no faster and up to 10 % slower).
+// groups in flight": 1-9 % faster with 128+ tokens, 64-token CTAs no faster and up to 10 % slower).
 #ifndef NVFP4_WGMMA_DEPTH
 #define NVFP4_WGMMA_DEPTH 0
 #endif
