@@ -196,6 +196,27 @@ def test_deep_candidates_add_deeper_rings_and_wave_filling_splits(monkeypatch):
 
 
 @needs_nvrtc
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.parametrize("lanes", [False, True], ids=["natural", "lanes"])
+def test_the_prefetch_build_reads_each_chunk_before_the_chunk_before_multiplies(tmp_path, lanes):
+    """``-DNVFP4_WGMMA_PREFETCH=1``: a block's main loop reads chunk c + 1's codes (LDS) before chunk c's HGMMAs (one
+    per k16 step, two steps per chunk), so the last two chunks' HGMMAs follow each other with no read between; the
+    default build reads each chunk just before decoding it."""
+    config = WgmmaConfig(2, 1, 64, 4)
+    order = {}
+    for prefetch in (0, 1):
+        options = (f"-DNVFP4_WGMMA_PREFETCH={prefetch}",) + (("-DNVFP4_TWIDDLED=2",) if lanes else ())
+        cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(torch.bfloat16), "sm_90a", options)
+        loop = main_loop(sass_of(cubin, tmp_path), mma="HGMMA")
+        order[prefetch] = "".join(
+            "H" if op.startswith("HGMMA") else "L" for op in loop if op.startswith(("HGMMA", "LDS"))
+        )
+    # chunk c: two steps of one HGMMA each; reads: two rows' codes per chunk (and the block's scales first)
+    assert order[0].endswith("LLHH" * 4) and order[1].endswith("HH" + "LLHH" * 2 + "HH"), order
+    assert order[1].count("L") == order[0].count("L") and order[1].index("H") == order[0].index("H") + 2, order
+
+
+@needs_nvrtc
 def test_a_depth_past_one_block_does_not_build():
     """More than 8 groups in flight would let a block start with the block before last still being read from the
     slot the ring refills: the source refuses such a build."""
@@ -235,12 +256,12 @@ def test_every_instance_matches_the_reference(dtype, m, n, k):
 
 
 @needs_hopper
-@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("build", ["NVFP4_WGMMA_DEPTH=2", "NVFP4_WGMMA_DEPTH=3", "NVFP4_WGMMA_PREFETCH=1"])
 @pytest.mark.parametrize("m", [64, 200])
-def test_deeper_builds_match_the_reference(depth, m):
-    """The ``NVFP4_WGMMA_DEPTH`` builds (more wgmma groups in flight) on every candidate, odd rows and K split."""
-    options = (f"-DNVFP4_WGMMA_DEPTH={depth}",)
-    matmul = functools.partial(cuda_wgmma.wgmma_matmul, options=options)
+def test_deeper_builds_match_the_reference(build, m):
+    """The ``NVFP4_WGMMA_DEPTH`` builds (more wgmma groups in flight) and the ``NVFP4_WGMMA_PREFETCH`` build (code
+    reads a chunk ahead) on every candidate, odd rows and K split."""
+    matmul = functools.partial(cuda_wgmma.wgmma_matmul, options=nvrtc.define_flags(build))
     check_every_instance(matmul, _configs(m, 1000, 1024), m, 1000, 1024, torch.bfloat16, cuda_wgmma.supports_wgmma)
 
 
