@@ -267,10 +267,7 @@ def best_per_variant(result: dict, variants: list[str]) -> str:
         timed = {
             label[len(prefix) :]: seconds
             for label, seconds in result.get("sweep_s", {}).items()
-            if isinstance(seconds, float)
-            and "wgmma" in label
-            and label.startswith(prefix)
-            and (variant or label.startswith("wgmma"))
+            if isinstance(seconds, float) and label.startswith(prefix + "wgmma")
         }
         if not timed:
             continue

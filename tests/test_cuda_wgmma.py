@@ -147,6 +147,12 @@ def test_hopper_main_loop_is_register_a_wgmma_within_budget(tmp_path, config):
     assert len(loop) / len(hgmma) < 60, f"{len(loop)} instructions for {len(hgmma)} HGMMAs"
 
 
+def _wgmma_waits(cubin: bytes, folder) -> list[str]:
+    """The pending-group bounds of every ``wgmma.wait_group`` in the SASS (``WARPGROUP.DEPBAR.LE gsb0, 0x..``),
+    sorted."""
+    return sorted(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass_of(cubin, folder)))
+
+
 @needs_nvrtc
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 @pytest.mark.parametrize("depth", [2, 3])
@@ -165,8 +171,8 @@ def test_deeper_builds_keep_more_groups_in_flight_without_serialising(tmp_path, 
         resources = resources_of(cubin, tmp_path)
         assert resources["STACK"] == 0 and resources["LOCAL"] == 0, resources
         used[d] = resources["REG"]
-        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass_of(cubin, tmp_path))
-        assert sorted(waits) == ["0x0"] + [f"0x{d}"] * 8, waits  # one per k16 step of the loop, all of them at the end
+        waits = _wgmma_waits(cubin, tmp_path)
+        assert waits == ["0x0"] + [f"0x{d}"] * 8, waits  # one per k16 step of the loop, all of them at the end
     assert used[depth] > used[1]
 
 
@@ -176,8 +182,8 @@ def test_deeper_builds_keep_more_groups_in_flight_without_serialising(tmp_path, 
                                           (WgmmaConfig(2, 1, 256, 3), 3)], ids=str)  # fmt: skip
 def test_the_default_build_keeps_three_groups_in_flight_from_128_tokens(tmp_path, config, depth):
     cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(torch.bfloat16), "sm_90a")
-    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass_of(cubin, tmp_path))
-    assert sorted(waits) == ["0x0"] + [f"0x{depth}"] * 8, waits
+    waits = _wgmma_waits(cubin, tmp_path)
+    assert waits == ["0x0"] + [f"0x{depth}"] * 8, waits
 
 
 def test_deep_candidates_add_deeper_rings_and_wave_filling_splits(monkeypatch):

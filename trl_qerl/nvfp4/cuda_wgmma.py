@@ -188,7 +188,7 @@ def wgmma_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
         if DEEP_CANDIDATES:
             configs += _deep_configs(probe, once[0] if once else probe.stages, ctas, split, blocks, num_sms,
                                      resident=2 if twice else 1)  # fmt: skip
-    return list(dict.fromkeys(configs))
+    return configs
 
 
 def _deep_configs(probe: WgmmaConfig, deepest: int, ctas: int, split: int, blocks: int, num_sms: int,
