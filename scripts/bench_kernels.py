@@ -338,7 +338,19 @@ def main() -> None:
     parser.add_argument("--wgmma-deep", action="store_true",
                         help="offer the wgmma kernel's deeper rings and wave-filling K splits to the chooser and the "
                         "sweep (cuda_wgmma.DEEP_CANDIDATES)")  # fmt: skip
+    parser.add_argument("--wgmma-spread", action="store_true",
+                        help="offer the wgmma kernel's rings that fit three times per multiprocessor and K splits "
+                        "down to 4 blocks per CTA to the chooser and the sweep (cuda_wgmma.SPREAD_CANDIDATES)")  # fmt: skip
+    parser.add_argument("--wgmma-from", type=int, default=None, metavar="ROWS",
+                        help="offer the wgmma kernel from this row bucket (kernels.WGMMA_ROWS; 64 by default)")  # fmt: skip
+    parser.add_argument("--tile-spread", action="store_true",
+                        help="offer the tiled kernel's pipelines that fit four times per multiprocessor and K splits "
+                        "down to 4 blocks per CTA, up to 32 rows (cuda_mma.TILE_SPREAD_CANDIDATES)")  # fmt: skip
     args = parser.parse_args()
+    cuda_mma.TILE_SPREAD_CANDIDATES = args.tile_spread or cuda_mma.TILE_SPREAD_CANDIDATES
+    if args.wgmma_from is not None:
+        kernels.WGMMA_ROWS = (args.wgmma_from, kernels.WGMMA_ROWS[1])
+    cuda_wgmma.SPREAD_CANDIDATES = args.wgmma_spread or cuda_wgmma.SPREAD_CANDIDATES
     cuda_mma.SPLIT_K_CANDIDATES = args.split_k or cuda_mma.SPLIT_K_CANDIDATES
     cuda_wgmma.DEEP_CANDIDATES = args.wgmma_deep or cuda_wgmma.DEEP_CANDIDATES
     if args.retune is not None:

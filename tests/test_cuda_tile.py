@@ -76,6 +76,26 @@ def test_candidates_cover_the_rows_fit_twice_and_split_only_small_grids(m, n, k)
         assert 2 * config.shared_memory_bytes <= 99 * 1024
 
 
+@pytest.mark.parametrize("m", [16, 32, 64])
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944), (37888, 3584)])
+def test_spread_candidates_add_more_and_shorter_ctas_up_to_32_rows(monkeypatch, m, n, k):
+    """`TILE_SPREAD_CANDIDATES` keeps every other candidate and adds pipelines that fit four times per
+    multiprocessor and K splits of at least 4 blocks per CTA, for at most 4 CTAs per multiprocessor; nothing from
+    64 rows."""
+    plain = cuda_mma.tile_candidate_configs(m, n, k, num_sms=132)
+    monkeypatch.setattr(cuda_mma, "TILE_SPREAD_CANDIDATES", True)
+    spread = cuda_mma.tile_candidate_configs(m, n, k, num_sms=132)
+    assert [c for c in spread if c in plain] == plain and len(spread) == len(set(spread))
+    added = [c for c in spread if c not in plain]
+    assert bool(added) == (m <= 32)
+    for config in added:
+        ctas = -(-n // config.rows) * -(-m // config.tokens)
+        assert 4 * config.shared_memory_bytes <= 227 * 1024 or config.split_k > 1, config
+        assert k // 128 >= 4 * config.split_k and (ctas * config.split_k <= 4 * 132 or config.split_k == 1), config
+    if (m, n, k) == (32, 4608, 3584):  # 7B q/k/v: 72 CTAs of 64 rows split 2 -> 4, with the 4-per-SM pipeline
+        assert cuda_mma.TileConfig(2, 4, 2, 4, split_k=4) in added
+
+
 def test_candidates_only_where_the_tiled_kernel_applies():
     assert kernels.tile_candidates(8, 4608, 3584, None, 132) == []  # decode rows: the decode kernel's
     assert kernels.tile_candidates(1024, 4608, 3584, None, 132) == []  # from 1024 rows: dequantise + cuBLAS
@@ -143,6 +163,16 @@ def _configs(m, n, k):
 @pytest.mark.parametrize("n,k", [(200, 384), (512, 3584), (1000, 1024)])
 def test_every_instance_matches_the_reference(dtype, m, n, k):
     check_every_instance(cuda_mma.tile_matmul, _configs(m, n, k), m, n, k, dtype, cuda_mma.supports_tile)
+
+
+@needs_cuda
+def test_spread_candidates_match_the_reference(monkeypatch):
+    """The spread candidates (short CTAs of a few blocks, shallow pipelines) of a q/k/v-like shape at 17 and 32
+    rows."""
+    monkeypatch.setattr(cuda_mma, "TILE_SPREAD_CANDIDATES", True)
+    for m in (17, 32):
+        configs = cuda_mma.tile_candidate_configs(m, 1152, 3584)
+        check_every_instance(cuda_mma.tile_matmul, configs, m, 1152, 3584, torch.bfloat16, cuda_mma.supports_tile)
 
 
 @needs_cuda

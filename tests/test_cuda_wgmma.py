@@ -71,19 +71,26 @@ def test_configs_are_validated_and_sized_as_the_source_lays_them_out():
     assert str(WgmmaConfig(2, 2, 64, 3, split_k=2)) == "wgmma 256r x 64t wg2 s3 split2"
 
 
+@pytest.mark.parametrize("spread", [False, True], ids=["plain", "spread"])
 @pytest.mark.parametrize("m", [64, 100, 128, 256, 512])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_candidates_fit_and_split_only_small_grids(m, n, k):
+def test_candidates_fit_and_split_only_small_grids(monkeypatch, m, n, k, spread):
+    """Every candidate fits; a K split only where the CTAs before it were fewer than the multiprocessors and each
+    keeps 8 blocks (`SPREAD_CANDIDATES`: up to `SPREAD_MAX_WAVES` CTAs per multiprocessor, 4 blocks each)."""
+    monkeypatch.setattr(cuda_wgmma, "SPREAD_CANDIDATES", spread)
     limit = 227 * 1024
     candidates = cuda_wgmma.wgmma_candidate_configs(m, n, k, num_sms=132, shared_memory_limit=limit)
-    assert candidates
+    assert candidates and len(candidates) == len(set(candidates))
     for config in candidates:
         assert config.tokens < 2 * max(m, 64)
         assert config.m64_tiles * config.tokens // 2 <= cuda_wgmma.MAX_ACCUMULATORS
         assert config.shared_memory_bytes <= limit
         ctas = -(-n // config.rows) * -(-m // config.tokens)
-        if config.split_k > 1:
+        if config.split_k > 1 and not spread:
             assert ctas * config.split_k // 2 < 132 and k // 128 >= 16 * (config.split_k // 2)
+        elif config.split_k > 1:
+            assert ctas * config.split_k <= 4 * 132 or ctas * config.split_k // 2 < 132, config
+            assert k // 128 >= 4 * config.split_k, config
 
 
 def test_chooser_offers_it_for_64_to_512_rows_and_saves_it():
@@ -190,6 +197,7 @@ def test_deep_candidates_add_deeper_rings_and_wave_filling_splits(monkeypatch):
     """`DEEP_CANDIDATES` keeps every shipped candidate and adds, per CTA shape, the deepest ring that fits once and
     K splits for grids whose last wave is under half full (7B gate/up at 64 rows: 296 CTAs of 128 rows on 264 slots);
     every instance still fits the shared memory."""
+    monkeypatch.setattr(cuda_wgmma, "SPREAD_CANDIDATES", False)
     shipped = cuda_wgmma.wgmma_candidate_configs(64, 37888, 3584)
     monkeypatch.setattr(cuda_wgmma, "DEEP_CANDIDATES", True)
     deep = cuda_wgmma.wgmma_candidate_configs(64, 37888, 3584)
@@ -199,6 +207,40 @@ def test_deep_candidates_add_deeper_rings_and_wave_filling_splits(monkeypatch):
     # a grid that fills its waves gets no split: 4608 rows at 128 per CTA are 36 CTAs (split to fill the SMs as before)
     small = cuda_wgmma.wgmma_candidate_configs(64, 4608, 3584)
     assert WgmmaConfig(2, 1, 64, 8, split_k=2) in small and WgmmaConfig(2, 1, 64, 4, split_k=4) not in small
+
+
+def test_spread_candidates_add_more_and_shorter_ctas(monkeypatch):
+    """`SPREAD_CANDIDATES` keeps every shipped candidate and adds, for 7B q/k/v at 64 rows (28 blocks, 72 CTAs of 64
+    rows after the shipped split of 2), the ring that fits three times per multiprocessor and splits of 4 (7 blocks
+    per CTA), never fewer than `SPREAD_MIN_BLOCKS` blocks per CTA or more than `SPREAD_MAX_WAVES` CTAs per
+    multiprocessor; nothing above `SPREAD_MAX_ROWS`."""
+    monkeypatch.setattr(cuda_wgmma, "SPREAD_CANDIDATES", False)
+    shipped = cuda_wgmma.wgmma_candidate_configs(64, 4608, 3584)
+    monkeypatch.setattr(cuda_wgmma, "SPREAD_CANDIDATES", True)
+    spread = cuda_wgmma.wgmma_candidate_configs(64, 4608, 3584)
+    assert set(shipped) < set(spread) and len(spread) == len(set(spread))
+    assert WgmmaConfig(1, 1, 64, 3, split_k=2) in spread and WgmmaConfig(1, 1, 64, 3, split_k=4) in spread
+    assert WgmmaConfig(2, 1, 64, 4, split_k=4) in spread and WgmmaConfig(2, 1, 64, 4, split_k=8) not in spread
+    assert all(3 * (WgmmaConfig(1, 1, 64, c.stages).shared_memory_bytes + 1024) <= 228 * 1024
+               for c in spread if c not in shipped and c.stages == 3 and c.rows == 64)  # fmt: skip
+    for c in set(spread) - set(shipped):
+        tiles = -(-4608 // c.rows)
+        assert 28 // c.split_k >= cuda_wgmma.SPREAD_MIN_BLOCKS and tiles * c.split_k <= 4 * 132, c
+    # above SPREAD_MAX_ROWS (64) nothing is added
+    with_spread = cuda_wgmma.wgmma_candidate_configs(100, 4608, 3584)
+    monkeypatch.setattr(cuda_wgmma, "SPREAD_CANDIDATES", False)
+    assert cuda_wgmma.wgmma_candidate_configs(100, 4608, 3584) == with_spread
+
+
+@needs_hopper
+def test_spread_candidates_match_the_reference(monkeypatch):
+    """The spread candidates (short CTAs of a few blocks, shallow rings) of a q/k/v-like shape at 64 and 100 rows."""
+    monkeypatch.setattr(cuda_wgmma, "SPREAD_CANDIDATES", True)
+    for m in (64, 100):
+        configs = cuda_wgmma.wgmma_candidate_configs(max(m, 64), 1152, 3584)
+        check_every_instance(
+            cuda_wgmma.wgmma_matmul, configs, m, 1152, 3584, torch.bfloat16, cuda_wgmma.supports_wgmma
+        )
 
 
 @needs_nvrtc

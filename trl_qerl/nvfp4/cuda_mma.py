@@ -17,9 +17,10 @@ import ctypes
 import dataclasses
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -626,4 +627,52 @@ def tile_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
         while ctas * split < num_sms and blocks >= 16 * split:
             split *= 2
         configs += [probe] + ([TileConfig(mt, nt, warps, fitting[0], split)] if split > 1 else [])
+        if TILE_SPREAD_CANDIDATES and m <= TILE_SPREAD_MAX_ROWS:
+            configs += _tile_spread_configs(probe, ctas, split, blocks, num_sms, shared_memory_limit)
     return configs
+
+
+TILE_SPREAD_CANDIDATES = False
+"""Whether `tile_candidate_configs` also offers, per CTA shape and for up to `TILE_SPREAD_MAX_ROWS` rows, more and
+shorter CTAs: the deepest pipeline that fits `TILE_SPREAD_RESIDENT` times in a multiprocessor, and K splits down to
+`TILE_SPREAD_MIN_BLOCKS` 128-column blocks per CTA for grids of at most `TILE_SPREAD_RESIDENT` CTAs per
+multiprocessor (the other candidates fit twice and stop at 8 blocks and one CTA per multiprocessor). Why: the
+wgmma kernel's candidates of that form are faster per call at 64 rows (H100, 2026-12-06), and at
+16-32 rows the tiled kernel's CTAs have 2-8 warps, e.g. 7B q/k/v at 32 rows 144 CTAs of 2 warps. Off: not yet
+measured (H100, 2026-12-06: the one step comparison, 6.31 against 5.72 ms at 32 rows, ran this engine with the named
+engines' older settings and its baseline with the defaults, so it does not count; ``bench_rollout.py --engines
+default+own_choices default+tile_spread`` compares them like for like)."""
+
+TILE_SPREAD_MAX_ROWS = 32
+"""Most rows for which `TILE_SPREAD_CANDIDATES` adds instances (from 64 rows the wgmma kernel is the product)."""
+
+TILE_SPREAD_MIN_BLOCKS = 4
+"""Fewest 128-column blocks per CTA of `TILE_SPREAD_CANDIDATES`' splits."""
+
+TILE_SPREAD_RESIDENT = 4
+"""CTAs per multiprocessor that `TILE_SPREAD_CANDIDATES`' pipelines fit, and the most its splits' grids ask for."""
+
+
+def _tile_spread_configs(probe: TileConfig, ctas: int, split: int, blocks: int, num_sms: int,
+                         shared_memory_limit: int) -> list[TileConfig]:  # fmt: skip
+    """`TILE_SPREAD_CANDIDATES`' extra instances of one CTA shape (``probe``, K split ``split`` among the others)."""
+    shape = (probe.m_tiles, probe.n_tiles, probe.warps)
+    resident = [s for s in (4, 3, 2) if TILE_SPREAD_RESIDENT * TileConfig(*shape, s).shared_memory_bytes
+                <= shared_memory_limit]  # fmt: skip
+    return spread_configs(lambda stages, k_split: TileConfig(*shape, stages, k_split), probe.stages, resident[:1],
+                          split, blocks, TILE_SPREAD_MIN_BLOCKS, TILE_SPREAD_RESIDENT * num_sms // ctas)  # fmt: skip
+
+
+def spread_configs(make: Callable[[int, int], Any], stages: int, resident: list[int], split: int, blocks: int,
+                   min_blocks: int, max_split: int) -> list:  # fmt: skip
+    """More and shorter CTAs of one CTA shape (``make(stages, split)``, offered with ``stages`` and K split
+    ``split``): that split with the shallower pipeline ``resident`` (zero or one depth, one that fits more CTAs per
+    multiprocessor), then each doubled split with both depths while a CTA keeps ``min_blocks`` 128-column blocks and
+    the split stays within ``max_split``."""
+    depths = [stages] + [d for d in resident if d != stages]
+    extra = [make(d, split) for d in depths[1:]]
+    split *= 2
+    while blocks >= min_blocks * split and split <= max_split:
+        extra += [make(d, split) for d in depths]
+        split *= 2
+    return extra

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import nvrtc, twiddle
-from .cuda_mma import MAX_SEGMENTS, Weight, launch_tiled, supports_tile
+from .cuda_mma import MAX_SEGMENTS, Weight, launch_tiled, spread_configs, supports_tile
 
 
 ROWS_PER_WARPGROUP_TILE = 64
@@ -33,6 +33,33 @@ DEEP_CANDIDATES = False
 last wave is mostly empty. Off, by measurement (H100, 7B shapes at 64-256 rows, 2026-12-06, BENCHMARKS.md "The wgmma
 kernel with three groups in flight"): never the fastest instance; 8-stage rings and the splits of 7B gate/up at 64
 rows took 81-87 µs against 70 for the shipped candidates. ``bench_kernels.py --wgmma-deep`` times them."""
+
+
+SPREAD_CANDIDATES = True
+"""Whether `wgmma_candidate_configs` also offers, per CTA shape and for up to `SPREAD_MAX_ROWS` rows, more and shorter
+CTAs: the deepest ring that fits three times in a multiprocessor, and K splits down to `SPREAD_MIN_BLOCKS` 128-column
+blocks per CTA (the other candidates stop at 8) for grids of at most `SPREAD_MAX_WAVES` CTAs per multiprocessor.
+Why: at 64 rows each warp's decode chain limits the 64-token CTAs (Nsight Compute, H100, 2026-12-06), and 7B q/k/v
+ran 72 CTAs of 8 warps on 132 multiprocessors; more CTAs put more warps on each scheduler.
+
+Measured on an H100 (2026-12-06, BENCHMARKS.md "More and shorter wgmma CTAs at 64 rows"): best instance with against
+without, same run (``bench_kernels.py --sweep --wgmma-spread``), 7B q/k/v at 64 rows 17.3 against 20.2 µs (`64r x
+64t wg1 s3 split4`), gate/up 65.1 against 70.7 (`64r x 64t wg1 s3`), 14B o 21.4 against 24.5; never the best for 7B
+down or 14B q/k/v. The 7B decode step at 64 rows, both engines with their own choices in one process: 7.51 against
+7.67 ms (with the older engine settings of `bench_rollout.py`'s named engines; not yet with the generator's
+defaults). The chooser times them with the others, so a key takes one only where it is faster; False restores the
+candidates before. Shipped tables keep the choices timed before (the H200's 64-row keys)."""
+
+SPREAD_MAX_ROWS = 64
+"""Most rows for which `SPREAD_CANDIDATES` adds instances. At 128 rows some won alone (7B o: 17.6 against 20.5 µs);
+the decode-step comparisons at 128 rows were confounded (2026-12-06), so 128 rows keep the candidates before until
+measured."""
+
+SPREAD_MIN_BLOCKS = 4
+"""Fewest 128-column blocks per CTA of `SPREAD_CANDIDATES`' splits."""
+
+SPREAD_MAX_WAVES = 4
+"""Most CTAs per multiprocessor in the grid of `SPREAD_CANDIDATES`' splits."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +215,20 @@ def wgmma_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
         if DEEP_CANDIDATES:
             configs += _deep_configs(probe, once[0] if once else probe.stages, ctas, split, blocks, num_sms,
                                      resident=2 if twice else 1)  # fmt: skip
+        if SPREAD_CANDIDATES and m <= SPREAD_MAX_ROWS:
+            thrice = [s for s, size in sizes.items() if 3 * (size + 1024) <= shared_memory_limit + 1024]
+            configs += _spread_configs(probe, thrice, ctas, split, blocks, num_sms)
     return configs
+
+
+def _spread_configs(probe: WgmmaConfig, thrice: list[int], ctas: int, split: int, blocks: int,
+                    num_sms: int) -> list[WgmmaConfig]:  # fmt: skip
+    """`SPREAD_CANDIDATES`' extra instances of one CTA shape: its shipped K split ``split`` with the deepest ring
+    that fits three times in a multiprocessor, and larger splits down to `SPREAD_MIN_BLOCKS` blocks per CTA while
+    the grid stays within `SPREAD_MAX_WAVES` CTAs per multiprocessor, with either ring."""
+    shape = (probe.warpgroups, probe.m64_tiles, probe.tokens)
+    return spread_configs(lambda stages, k_split: WgmmaConfig(*shape, stages, k_split), probe.stages, thrice[:1],
+                          split, blocks, SPREAD_MIN_BLOCKS, SPREAD_MAX_WAVES * num_sms // ctas)  # fmt: skip
 
 
 def _deep_configs(probe: WgmmaConfig, deepest: int, ctas: int, split: int, blocks: int, num_sms: int,
