@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_qerl.lora import get_peft_model, nvfp4_lora_config
 from trl_qerl.noise import NormNoise
-from trl_qerl.nvfp4 import kernels
+from trl_qerl.nvfp4 import cuda_mma, cuda_wgmma, kernels
 from trl_qerl.quantizer import quantize_model
 from trl_qerl.rollout import fast, fused_decode
 from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator, nvfp4_codes
@@ -111,7 +111,13 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "fused+compile+split_kv+twiddle+lane_order+shrink_beside": dict(engine="fused", compile=True, **_TWIDDLE),
            "fused+compile+split_kv+twiddle+lane_order+shrink_beside+group_sums": dict(engine="fused", compile=True,
                                                                                       **_TWIDDLE),
-           "default": dict(engine="auto")}  # fmt: skip
+           "default": dict(engine="auto"),
+           "default+narrow_wgmma": dict(engine="auto"),
+           "default+wgmma_from_32": dict(engine="auto"),
+           "default+tile_spread": dict(engine="auto"),
+           "default+spread_128": dict(engine="auto"),
+           "default+alt_choices": dict(engine="auto"),
+           "default+own_choices": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
@@ -125,7 +131,8 @@ of the seventh session (one program per row and rank block, up to 8 rows; `_fuse
 `fused_decode.FUSED_SHRINK_ROWS` set back while that engine compiles, captures and runs). ``+alt_choices``: the
 NVFP4 kernel choices of ``--alt-choices`` (a table saved by ``bench_kernels.py --choices``) replace the shipped ones
 for the keys they hold while that engine compiles, captures and runs: an A/B of two choice tables in one process
-(``+twiddle+alt_choices``: the same in the twiddled build, against ``+twiddle``).
+(``+twiddle+alt_choices``: the same in the twiddled build, against ``+twiddle``; ``default+alt_choices``: on the
+generator's defaults, against ``default+own_choices``).
 ``+one_launch_attention``: the split-KV attention's partials merged by the partials launch itself
 (`decode_attention.MERGE_IN_PARTIALS` True while that engine captures and runs; the other engines merge with a second
 kernel). ``+norm_shrink_before``: the norm shrinks of the ninth session (each row in two passes, A loaded after the
@@ -153,8 +160,28 @@ too, up to `fast.LANE_ORDER_MAX_ROWS` rows (`fast.LANE_ORDER` True while that en
 named engines; captured states keep their order; the generator's default since 2026-12-05).
 ``+lane_order+shrink_beside``: both. ``+group_sums``: the row shrink sums its column spans' partials in groups
 (`_lora_rows_kernel.GROUP_SPLITS` `GROUP_SUMS` while that engine captures and runs); the other named engines sum in one
-level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05)."""
+level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
+``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
+``+tile_spread``, ``+spread_128``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
+the named engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the
+chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines time their
+keys themselves. Compare them with ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
 
+
+SHIPPED_CHOICES = dict(kernels.CHOOSER.choices)
+"""The kernel choices this process started with (the shipped table, ``NVFP4_KERNEL_CHOICES``), before any timing."""
+
+OWN_CHOICE_ENGINES = {
+    "+narrow_wgmma": [(cuda_wgmma, "SPREAD_CANDIDATES", False)],
+    "+wgmma_from_32": [(kernels, "WGMMA_ROWS", (32, kernels.WGMMA_ROWS[1]))],
+    "+tile_spread": [(cuda_mma, "TILE_SPREAD_CANDIDATES", True)],
+    "+spread_128": [(cuda_wgmma, "SPREAD_MAX_ROWS", 128)],
+    "+own_choices": [],
+}
+"""Engine suffixes whose settings change which kernels the chooser times: without the wgmma kernel's spread
+candidates (the candidates before 2026-12-06), with the wgmma kernel a candidate from the 32-row bucket, with the
+tiled kernel's spread candidates (`cuda_mma.TILE_SPREAD_CANDIDATES`), with the wgmma kernel's spread candidates up to
+128 rows, and none (the control)."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""
@@ -203,7 +230,14 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     pdl, epilogue, shrink = engine.endswith("+pdl"), fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK
     shrink_rows, rows_from = fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM
     alternative = engine.endswith("+alt_choices")
-    shipped = dict(kernels.CHOOSER.choices) if alternative else None
+    own = next((settings for suffix, settings in OWN_CHOICE_ENGINES.items() if engine.endswith(suffix)), None)
+    shipped = dict(kernels.CHOOSER.choices) if alternative or own is not None else None
+    before = {(module, name): getattr(module, name) for module, name, _ in own or ()}
+    for module, name, value in own or ():
+        setattr(module, name, value)
+    if own is not None:
+        kernels.CHOOSER.choices.clear()
+        kernels.CHOOSER.choices.update(SHIPPED_CHOICES)
     if pdl:
         os.environ["NVFP4_PDL"] = "1"
     if alternative:
@@ -218,7 +252,8 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     fused_decode.LORA_ROW_KERNELS = row_kernels and not engine.endswith("+lora_cublas")
     beside, beside_rows = fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS
     group_splits = row_shrink.GROUP_SPLITS
-    if engine != "default":  # named engines measure what they measured before these became defaults
+    on_defaults = engine.split("+")[0] == "default"  # ``default`` and its own-choice variants
+    if not on_defaults:  # named engines measure what they measured before these became defaults
         switches = engine.split("+")
         all_rows = "shrink_beside_all_rows" in switches
         fused_decode.LORA_SHRINK_BESIDE = all_rows or "shrink_beside" in switches
@@ -227,7 +262,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     lane_order = fast.LANE_ORDER
-    fast.LANE_ORDER = "+lane_order" in engine if engine != "default" else lane_order
+    fast.LANE_ORDER = lane_order if on_defaults else "+lane_order" in engine
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS
     decode_attention.MERGE_IN_PARTIALS = merge_in_partials or engine.endswith("+one_launch_attention")
     try:
@@ -244,7 +279,9 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS = beside, beside_rows
         row_shrink.GROUP_SPLITS = group_splits
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
-        if alternative:
+        for (module, name), value in before.items():
+            setattr(module, name, value)
+        if alternative or own is not None:
             kernels.CHOOSER.choices.clear()
             kernels.CHOOSER.choices.update(shipped)
 

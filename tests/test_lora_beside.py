@@ -309,6 +309,40 @@ def test_rollout_benchmark_group_sums_engine_sets_the_row_shrinks_sum():
     assert row_kernels.GROUP_SPLITS == shipped
 
 
+def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choices_apart(tmp_path):
+    """`bench_rollout.py`'s ``default+...`` engines (`OWN_CHOICE_ENGINES`) run the generator's defaults (lane order,
+    shrink beside, row-shrink groups: not the named engines' older settings) with their own settings and kernel
+    choices: the chooser starts from the table the process began with, and what it timed inside is forgotten."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_rollout import ENGINES, OWN_CHOICE_ENGINES, SHIPPED_CHOICES, engine_environment
+
+    from trl_qerl.nvfp4 import cuda_mma, cuda_wgmma, kernels
+    from trl_qerl.rollout import _lora_rows_kernel as row_kernels
+    from trl_qerl.rollout import fast
+
+    def defaults():
+        return (fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS, row_kernels.GROUP_SPLITS,
+                fast.LANE_ORDER)  # fmt: skip
+
+    shipped, before = defaults(), dict(kernels.CHOOSER.choices)
+    assert set(OWN_CHOICE_ENGINES) >= {"+narrow_wgmma", "+tile_spread", "+spread_128", "+own_choices"}
+    assert all(f"default{suffix}" in ENGINES for suffix in OWN_CHOICE_ENGINES)
+    with engine_environment("default+narrow_wgmma"):
+        assert defaults() == shipped and not cuda_wgmma.SPREAD_CANDIDATES
+        assert kernels.CHOOSER.choices == SHIPPED_CHOICES
+        kernels.CHOOSER.choices["timed inside"] = kernels.DEQUANT_CUBLAS
+    assert cuda_wgmma.SPREAD_CANDIDATES and kernels.CHOOSER.choices == before
+    with engine_environment("default+tile_spread"):
+        assert defaults() == shipped and cuda_mma.TILE_SPREAD_CANDIDATES
+    assert not cuda_mma.TILE_SPREAD_CANDIDATES and defaults() == shipped
+    (tmp_path / "table.json").write_text("{}")
+    with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
+        assert defaults() == shipped
+    assert kernels.CHOOSER.choices == before
+    with engine_environment("fused+compile+split_kv+twiddle"):  # a named engine: the settings it was measured with
+        assert not fused_decode.LORA_SHRINK_BESIDE and not fast.LANE_ORDER
+
+
 def test_small_steps_take_it_in_place_of_the_norm_shrinks_when_asked(monkeypatch):
     """`LORA_BESIDE_MIN_ROWS` 1 (the ``+shrink_beside_all_rows`` engines): at 8 rows the input norm makes no shrinks
     and the q/k/v group goes through the op, not the NVFP4 epilogue; the outputs agree with the epilogue path's up to
