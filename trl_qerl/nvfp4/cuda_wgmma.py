@@ -216,6 +216,7 @@ def wgmma_candidate_configs(m: int, n: int, k: int, num_sms: int = 132,
             configs += _deep_configs(probe, once[0] if once else probe.stages, ctas, split, blocks, num_sms,
                                      resident=2 if twice else 1)  # fmt: skip
         if SPREAD_CANDIDATES and m <= SPREAD_MAX_ROWS:
+            # a multiprocessor holds 1 KB more than one CTA may ask for, and each resident CTA takes 1 KB of it
             thrice = [s for s, size in sizes.items() if 3 * (size + 1024) <= shared_memory_limit + 1024]
             configs += _spread_configs(probe, thrice, ctas, split, blocks, num_sms)
     return configs
