@@ -172,13 +172,13 @@ SHIPPED_CHOICES = dict(kernels.CHOOSER.choices)
 """The kernel choices this process started with (the shipped table, ``NVFP4_KERNEL_CHOICES``), before any timing."""
 
 OWN_CHOICE_ENGINES = {
-    "+narrow_wgmma": [(cuda_wgmma, "SPREAD_CANDIDATES", False)],
-    "+wgmma_from_32": [(kernels, "WGMMA_ROWS", (32, kernels.WGMMA_ROWS[1]))],
-    "+tile_spread": [(cuda_mma, "TILE_SPREAD_CANDIDATES", True)],
-    "+spread_128": [(cuda_wgmma, "SPREAD_MAX_ROWS", 128)],
-    "+own_choices": [],
+    "+narrow_wgmma": (cuda_wgmma, {"SPREAD_CANDIDATES": False}),
+    "+wgmma_from_32": (kernels, {"WGMMA_ROWS": (32, kernels.WGMMA_ROWS[1])}),
+    "+tile_spread": (cuda_mma, {"TILE_SPREAD_CANDIDATES": True}),
+    "+spread_128": (cuda_wgmma, {"SPREAD_MAX_ROWS": 128}),
+    "+own_choices": (kernels, {}),
 }
-"""Engine suffixes whose settings change which kernels the chooser times: without the wgmma kernel's spread
+"""Engine suffixes and the module settings (`module_settings`) that change which kernels the chooser times: without the wgmma kernel's spread
 candidates (the candidates before 2026-12-06), with the wgmma kernel a candidate from the 32-row bucket, with the
 tiled kernel's spread candidates (`cuda_mma.TILE_SPREAD_CANDIDATES`), with the wgmma kernel's spread candidates up to
 128 rows, and none (the control)."""
@@ -232,9 +232,6 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     alternative = engine.endswith("+alt_choices")
     own = next((settings for suffix, settings in OWN_CHOICE_ENGINES.items() if engine.endswith(suffix)), None)
     shipped = dict(kernels.CHOOSER.choices) if alternative or own is not None else None
-    before = {(module, name): getattr(module, name) for module, name, _ in own or ()}
-    for module, name, value in own or ():
-        setattr(module, name, value)
     if own is not None:
         kernels.CHOOSER.choices.clear()
         kernels.CHOOSER.choices.update(SHIPPED_CHOICES)
@@ -266,7 +263,10 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     merge_in_partials = decode_attention.MERGE_IN_PARTIALS
     decode_attention.MERGE_IN_PARTIALS = merge_in_partials or engine.endswith("+one_launch_attention")
     try:
-        with module_settings(shrink_kernels, _shrink_settings(engine, shrink_settings)):
+        with (
+            module_settings(shrink_kernels, _shrink_settings(engine, shrink_settings)),
+            module_settings(*(own or (kernels, {}))),
+        ):
             yield
     finally:
         decode_attention.MERGE_IN_PARTIALS = merge_in_partials
@@ -279,8 +279,6 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS = beside, beside_rows
         row_shrink.GROUP_SPLITS = group_splits
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
-        for (module, name), value in before.items():
-            setattr(module, name, value)
         if alternative or own is not None:
             kernels.CHOOSER.choices.clear()
             kernels.CHOOSER.choices.update(shipped)

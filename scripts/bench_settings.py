@@ -24,7 +24,7 @@ def parse_settings(text: str, module: ModuleType, allowed: tuple[str, ...] | Non
 
 
 @contextmanager
-def module_settings(module: ModuleType, values: dict[str, int]):
+def module_settings(module: ModuleType, values: dict[str, object]):
     """``values`` set on ``module`` inside the block (read at each launch), the old ones restored after it."""
     saved = {name: getattr(module, name) for name in values}
     for name, value in values.items():

@@ -46,8 +46,9 @@
 #endif
 static_assert(NVFP4_WGMMA_DEPTH >= 0 && NVFP4_WGMMA_DEPTH <= 8, "NVFP4_WGMMA_DEPTH: 1 to 8 groups in flight, 0 by tile");
 
-// 1: each chunk's code reads are issued one chunk ahead (see the main loop). Off until measured: built after the
-// thirty-second session's last device call; its build with 0 is the SASS of the kernel before (compare_sass.py).
+// 1: each chunk's code reads are issued one chunk ahead (see the main loop). Off: measured no faster (H100, 7B at 64
+// and 256 rows, within 2 %, BENCHMARKS.md "More and shorter wgmma CTAs"); its build with 0 is the SASS of the kernel
+// before (compare_sass.py).
 #ifndef NVFP4_WGMMA_PREFETCH
 #define NVFP4_WGMMA_PREFETCH 0
 #endif
