@@ -117,7 +117,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+tile_spread": dict(engine="auto"),
            "default+spread_128": dict(engine="auto"),
            "default+alt_choices": dict(engine="auto"),
-           "default+own_choices": dict(engine="auto")}  # fmt: skip
+           "default+own_choices": dict(engine="auto"),
+           "default+shrink_settings": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
@@ -138,7 +139,8 @@ generator's defaults, against ``default+own_choices``).
 kernel). ``+norm_shrink_before``: the norm shrinks of the ninth session (each row in two passes, A loaded after the
 statistics; `_fused_shrink_kernel.NORM_ONE_STEP` 0 and `NORM_ROWS` 1 while that engine captures). ``+shrink_settings``:
 the `_fused_shrink_kernel` settings of ``--shrink-settings`` (``NAME=VALUE,...``) while that engine captures and
-runs (``+twiddle+shrink_settings``: the same in the twiddled build, against ``+twiddle``). ``+eager_prefill``: the
+runs (``+twiddle+shrink_settings``: the same in the twiddled build, against ``+twiddle``; ``default+shrink_settings``:
+on the generator's defaults, against ``default``). ``+eager_prefill``: the
 prefill runs eagerly (``capture_prefill=False``; the other engines replay a CUDA graph per prefill shape up to
 `fast.PREFILL_GRAPH_TOKENS` tokens). ``+unshared_prefill``: also every row prefilled, rows whose prompt repeats too
 (``share_prefill=False``; the other engines prefill each distinct prompt once, which ``--generations`` exercises): the
