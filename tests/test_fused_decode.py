@@ -218,14 +218,39 @@ def test_lora_reductions_equal_the_lora_products():
     assert not torch.allclose(with_gemv[0], bases[0])  # the adapter is not a no-op
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_step_ends_trace_whole(monkeypatch, arch):
+    """`decode_inputs` (embedding, the model's rotary module) and `decode_logits` (final norm, LM head) as the
+    compiled decode step traces them (``fullgraph``; ``aot_eager`` here, inductor in the CUDA tests): same logits."""
+    from trl_qerl.rollout import fused_decode
+
+    model = _model(arch, lora_targets="all-linear")
+    spec = read_decoder(model)
+    ids, positions = torch.tensor([[5], [9]]), torch.tensor([[3], [7]])
+    traced = [torch.compile(f, fullgraph=True, backend="aot_eager")
+              for f in (fused_decode.decode_inputs, fused_decode.decode_logits)]  # fmt: skip
+    eager_inputs, traced_inputs = fused_decode.decode_inputs(spec, ids, positions), traced[0](spec, ids, positions)
+    for ours, theirs in zip(traced_inputs, eager_inputs):
+        assert torch.equal(ours, theirs)
+    x, delta = eager_inputs[0] * 3, eager_inputs[0] - 1
+    assert torch.equal(traced[1](spec, x, delta), fused_decode.decode_logits(spec, x, delta))
+
+
 @pytest.mark.compile_fallback_expected
-def test_a_failing_compile_falls_back_to_eager_layers_with_one_warning(monkeypatch, caplog):
+@pytest.mark.parametrize("part", ["layer", "ends"])
+def test_a_failing_compile_falls_back_to_eager_layers_with_one_warning(monkeypatch, caplog, part):
+    """The compiled layer or the compiled ends of the step (`decode_inputs`, `decode_logits`) failing: one warning, then
+    the whole step eager (the other part is left eager here too, so that nothing compiles on CPU)."""
     from trl_qerl.rollout import fused_decode
 
     def broken(*args, **kwargs):
         raise RuntimeError("inductor exploded")
 
-    monkeypatch.setattr(fused_decode, "_compiled_layer", lambda: broken)
+    eager_ends = (fused_decode.decode_inputs, fused_decode.decode_logits)
+    monkeypatch.setattr(
+        fused_decode, "_compiled_layer", lambda: broken if part == "layer" else fused_decode.decoder_layer
+    )
+    monkeypatch.setattr(fused_decode, "_compiled_ends", lambda: (broken, broken) if part == "ends" else eager_ends)
     model = _model("llama", lora_targets="all-linear")
     with caplog.at_level(logging.DEBUG, logger="trl_qerl.rollout.fused_decode"):
         ours = _greedy(model, "fused", compile=True)

@@ -335,6 +335,10 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
     with engine_environment("default+tile_spread"):
         assert defaults() == shipped and cuda_mma.TILE_SPREAD_CANDIDATES
     assert not cuda_mma.TILE_SPREAD_CANDIDATES and defaults() == shipped
+    compile_ends = fused_decode.COMPILE_ENDS
+    with engine_environment("default+eager_ends"):
+        assert defaults() == shipped and not fused_decode.COMPILE_ENDS
+    assert fused_decode.COMPILE_ENDS == compile_ends
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
         assert defaults() == shipped

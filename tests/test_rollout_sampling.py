@@ -10,7 +10,9 @@ from _tiny import tiny_chat_checkpoint, tiny_model
 from trl_qerl.config import QeRLConfig
 from trl_qerl.data import tiny_arithmetic_dataset
 from trl_qerl.rewards import completion_text
-from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator, filter_logits, sample_with_stats
+from trl_qerl.rollout import fast
+from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator, filter_logits, record_step, sample_with_stats
+from trl_qerl.rollout.sampling import draw_with_stats, uniform_draws
 from trl_qerl.trainer import QeRLGRPOTrainer
 
 
@@ -30,6 +32,97 @@ def test_sample_with_stats_reports_the_filtered_distribution():
     assert bool(torch.isfinite(logprob).all())  # sampled tokens are never filtered out
     greedy = sample_with_stats(logits, SamplingParams(max_new_tokens=1, temperature=0))
     assert torch.equal(greedy[0], logits.argmax(-1)) and not greedy[1].any() and not greedy[2].any()
+
+
+def test_a_draw_from_given_uniforms_is_the_seeded_sample():
+    """`draw_with_stats` of `uniform_draws` takes the same random numbers as the Gumbel draw always took
+    (``rand_like`` of the filtered fp32 logits), so compiling the draw leaves seeded samples unchanged."""
+    logits = torch.randn(5, 70, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    params = SamplingParams(max_new_tokens=1, temperature=0.8, top_p=0.95)
+    torch.manual_seed(7)
+    expected_uniform = torch.rand_like(filter_logits(logits, params))
+    torch.manual_seed(7)
+    uniform = uniform_draws(logits, params)
+    assert uniform.dtype == torch.float32 and torch.equal(uniform, expected_uniform)
+    torch.manual_seed(7)
+    sampled = sample_with_stats(logits, params)
+    for ours, theirs in zip(draw_with_stats(logits, uniform, params), sampled):
+        assert torch.equal(ours, theirs)
+    assert uniform_draws(logits, SamplingParams(max_new_tokens=1, temperature=0)) is None
+    with pytest.raises(ValueError, match="uniform_draws"):
+        draw_with_stats(logits, None, params)
+
+
+def _step_buffers(batch=3, steps=4):
+    return [torch.zeros(batch, dtype=torch.long), torch.full((batch,), 5), torch.tensor([7]), torch.tensor([1]),
+            torch.tensor([False, True, False]), torch.zeros(batch, steps, dtype=torch.long),
+            torch.zeros(batch, steps), torch.zeros(batch, steps)]  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_step_record_traces_whole_and_updates_the_buffers_in_place(temperature):
+    """`record_step` as ``torch.compile(fullgraph=True)`` traces it (AOT functionalisation of the in-place updates,
+    checked with the ``aot_eager`` backend; inductor runs it in the CUDA tests): the same buffers as eagerly."""
+    params = SamplingParams(max_new_tokens=4, temperature=temperature, top_k=20)
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    logits[0, 1] = 50.0  # row 0 draws EOS; row 1 was finished already and gets padding
+    uniform, eos = uniform_draws(logits, params), torch.tensor([1, 2])
+    eager, traced = _step_buffers(), _step_buffers()
+    record_step(logits, uniform, params, 0, eos, *eager)
+    torch.compile(record_step, fullgraph=True, backend="aot_eager")(logits, uniform, params, 0, eos, *traced)
+    for ours, theirs in zip(traced, eager):
+        assert torch.equal(ours, theirs)
+    tokens, positions, cache_position, step_index, finished, out = eager[:6]
+    assert tokens.tolist()[:2] == [1, 0] and finished.tolist() == [True, True, False]
+    assert out[:, 1].tolist() == tokens.tolist() and not out[:, [0, 2, 3]].any()
+    assert positions.tolist() == [6, 6, 6] and cache_position.item() == 8 and step_index.item() == 2
+
+
+def test_a_failing_compiled_record_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
+    """The decode step's compiled sampling (used where the fused decoder runs compiled) must never stop a rollout."""
+
+    def broken(*args):
+        raise RuntimeError("inductor exploded")
+
+    record = fast._CompiledRecord()
+    record._compiled = broken
+    monkeypatch.setattr(fast, "_RECORD", record)
+    model = tiny_model("qwen2", dtype=torch.float32)
+    generator = StaticCacheGenerator(model, cuda_graph=False, engine="fused", compile=False)
+    params = SamplingParams(max_new_tokens=5, temperature=0)
+    expected = generator.sample([[5, 6, 7]], params, [1], 0)
+    monkeypatch.setattr(fast.FusedDecoder, "compiled", property(lambda self: True))  # layers stay eager (fast)
+    with caplog.at_level(logging.WARNING, logger="trl_qerl.rollout.fast"):
+        ours = generator.sample([[5, 6, 7]], params, [1], 0)
+        again = generator.sample([[5, 6, 7]], params, [1], 0)
+    assert ours.completion_ids == again.completion_ids == expected.completion_ids
+    warnings = [r for r in caplog.records if "sampling failed" in r.message]
+    assert len(warnings) == 1 and "inductor exploded" in warnings[0].message and record.compiled is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_sampling_draws_what_the_eager_step_draws_on_cuda():
+    """Captured steps with the compiled ends and sampling (inductor) against eager ones, seeded alike at temperature 1:
+    the same uniform numbers, so the same first tokens but where bf16 sums in another order flip a near-tie."""
+    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+    from trl_qerl.quantizer import quantize_model
+
+    model = quantize_model(tiny_model("qwen2", dtype=torch.bfloat16).cuda())
+    model = get_peft_model(model, nvfp4_lora_config(model, r=4)).eval()
+    prompts = torch.randint(3, 100, (8, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    samples = []
+    for compile in (True, False):
+        generator = StaticCacheGenerator(model, engine="fused", compile=compile, capture_prefill=False)
+        generator.sample(prompts, params, [1], 0)  # capture first, so both draw from the same generator state
+        torch.manual_seed(11)
+        samples.append(generator.sample(prompts, params, [1], 0))
+    (ours, theirs) = samples
+    first = [a[0] == b[0] for a, b in zip(ours.completion_ids, theirs.completion_ids)]
+    assert sum(first) >= 7
+    agreeing = [row for row, same in enumerate(first) if same]
+    gaps = [abs(ours.logprobs[row][0] - theirs.logprobs[row][0]) for row in agreeing]
+    assert max(gaps) < 0.05 and all(len(row) == 6 for row in ours.completion_ids)
 
 
 def test_generator_logprobs_are_the_models_own_scores_of_its_samples():

@@ -479,6 +479,12 @@ def decoder_layer(
     return (x + down).view(batch, tokens, width), None
 
 
+COMPILE_ENDS = True
+"""With ``compile=True``, also compile what a decode step runs around its layers (`decode_inputs`, `decode_logits`;
+`fast.StaticCacheGenerator` compiles its sampling alike). Eagerly that is ~20 launches per step (the H100 profile of
+2026-12-06: ~46 launches outside the layers, ~0.12 ms of kernels at batch 1, the vocabulary's log-softmax alone 33 µs
+in one program per row). ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s ``default+eager_ends``)."""
+
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "combo_kernels": True}
 """Inductor options of the compiled decode layer. ``emulate_precision_casts``: round where the eager code rounds (to
 bf16 after each op), so that compiled and eager steps compute the same numbers up to summation order, and the
@@ -489,6 +495,30 @@ LoRA expands, ...) share one launch; measured on the H200 (7B, NVFP4 + LoRA + AQ
 
 def _compiled_layer():
     return torch.compile(decoder_layer, fullgraph=True, options=dict(COMPILE_OPTIONS))
+
+
+def decode_inputs(spec: DecoderSpec, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple:
+    """The first layer's ``(x, delta, cos, sin)``: the embeddings, zeros to add (`ADD_IN_NEXT_NORM`; None without) and
+    the rotary embedding's cos and sin at ``position_ids``."""
+    x = F.embedding(input_ids, spec.embed)
+    # (zeros, not None, for the first layer: one compiled graph then serves every layer)
+    delta = torch.zeros_like(x) if ADD_IN_NEXT_NORM else None
+    cos, sin = spec.rotary(x, position_ids)
+    return x, delta, cos, sin
+
+
+def decode_logits(spec: DecoderSpec, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """Logits ``[B, V]`` of the last position from the last layer's ``(x, delta)``: the final norm and the LM head."""
+    last = rms_norm(x[:, -1] if delta is None else x[:, -1] + delta[:, -1], spec.final_norm)
+    return project(last, (spec.lm_head,))[0]
+
+
+def _compiled_ends() -> tuple:
+    """`decode_inputs` and `decode_logits` compiled: eagerly they are ~20 launches of a few µs each per decode step
+    (the rotary embedding's, the final norm's), compiled a few fused kernels around the LM head's product."""
+    options = dict(COMPILE_OPTIONS)
+    return (torch.compile(decode_inputs, fullgraph=True, options=options),
+            torch.compile(decode_logits, fullgraph=True, options=options))  # fmt: skip
 
 
 def _auto_takes_split_kv(device: torch.device) -> bool:
@@ -552,6 +582,7 @@ class FusedDecoder:
         wanted = asked or (decode_attention == "auto" and _auto_takes_split_kv(device))
         self.split_kv = wanted and _split_kv_runs(spec, batch, device, asked=asked)
         self._decode_layer = _compiled_layer() if compile else decoder_layer
+        self._decode_ends = _compiled_ends() if compile and COMPILE_ENDS else (decode_inputs, decode_logits)
         note = _lora_path_note(spec, batch, device)
         if note is not None and note not in _NOTED:
             _NOTED.add(note)
@@ -596,9 +627,9 @@ class FusedDecoder:
 
         If compiling fails (the first call compiles, outside any graph capture), one warning, then eager layers."""
         args = (tokens[:, None], mask, positions[:, None], cache_position, self.split_kv)
-        if self._decode_layer is not decoder_layer:
+        if self.compiled:
             try:
-                return self._forward(self._decode_layer, *args)
+                return self._forward(self._decode_layer, *args, ends=self._decode_ends)
             except Exception as error:  # noqa: BLE001 - a compiler problem must not stop rollouts
                 message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
                 logger.warning("compiling the fused decode step failed (%s: %s); running it eagerly",
@@ -606,17 +637,18 @@ class FusedDecoder:
                 logger.debug(
                     "the compile error in full (the line and the user frame dynamo stopped at)", exc_info=error
                 )
-                self._decode_layer = decoder_layer
+                self._decode_layer, self._decode_ends = decoder_layer, (decode_inputs, decode_logits)
         return self._forward(decoder_layer, *args)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run compiled (``compile=True``, and compiling has not failed)."""
+        return self._decode_layer is not decoder_layer or self._decode_ends[0] is not decode_inputs
+
     def _forward(self, layer_fn, input_ids, mask, position_ids, cache_position, split_kv=False, keys=None,
-                 values=None) -> torch.Tensor:  # fmt: skip
-        spec = self.spec
-        x = F.embedding(input_ids, spec.embed)
-        # (zeros, not None, for the first layer: one compiled graph then serves every layer)
-        delta = torch.zeros_like(x) if ADD_IN_NEXT_NORM else None
-        cos, sin = spec.rotary(x, position_ids)
-        for layer, cache_k, cache_v in zip(spec.layers, keys or self.keys, values or self.values):
-            x, delta = layer_fn(spec, layer, x, delta, cos, sin, cache_k, cache_v, cache_position, mask, split_kv)
-        last = rms_norm(x[:, -1] if delta is None else x[:, -1] + delta[:, -1], spec.final_norm)
-        return project(last, (spec.lm_head,))[0]
+                 values=None, ends=(decode_inputs, decode_logits)) -> torch.Tensor:  # fmt: skip
+        inputs_fn, logits_fn = ends
+        x, delta, cos, sin = inputs_fn(self.spec, input_ids, position_ids)
+        for layer, cache_k, cache_v in zip(self.spec.layers, keys or self.keys, values or self.values):
+            x, delta = layer_fn(self.spec, layer, x, delta, cos, sin, cache_k, cache_v, cache_position, mask, split_kv)
+        return logits_fn(self.spec, x, delta)

@@ -63,12 +63,30 @@ def sample_with_stats(logits: torch.Tensor, params: SamplingParams) -> tuple[tor
     """`sample_tokens`, plus each drawn token's log-probability and the entropy (nats) of the distribution it was
     drawn from: after temperature and filtering, as vLLM's "processed" log-probs. Greedy decoding samples from a
     point mass: log-probability and entropy 0."""
+    return draw_with_stats(logits, uniform_draws(logits, params), params)
+
+
+def uniform_draws(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The uniform numbers `sample_with_stats` turns into a draw (fp32, ``logits``' shape; None for greedy decoding).
+    Drawn apart from `draw_with_stats` so that a compiled draw consumes the same random stream as the eager one."""
+    if params.temperature == 0:
+        return None
+    return torch.rand(logits.shape, dtype=torch.float32, device=logits.device)
+
+
+def draw_with_stats(
+    logits: torch.Tensor, uniform: torch.Tensor | None, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample_with_stats` given its `uniform_draws`: no random numbers of its own, so ``torch.compile`` can fuse it
+    (the decode step's reductions over the vocabulary, each one launch of few programs in eager mode)."""
     if params.temperature == 0:
         tokens = logits.argmax(dim=-1)
         zero = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         return tokens, zero, zero
+    if uniform is None:
+        raise ValueError("draw_with_stats needs uniform_draws(logits, params) when temperature > 0")
     filtered = filter_logits(logits, params)
-    gumbel = -torch.log(-torch.log(torch.rand_like(filtered).clamp_(min=1e-20, max=1.0 - 1e-7)))
+    gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1.0 - 1e-7)))
     tokens = (filtered + gumbel).argmax(dim=-1)
     log_probs = filtered.log_softmax(dim=-1)
     entropy = torch.special.entr(log_probs.exp()).sum(dim=-1)
