@@ -55,7 +55,6 @@ def rollout_argument_types(model: str) -> dict[str, str]:
         **dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr"], f"*{model}"),
         **dict.fromkeys(["x_ptr", "res_ptr", "s_ptr", "h_ptr", "gate_ptr", "up_ptr", "y_ptr"], f"*{model}"),
         **dict.fromkeys(["acc_ptr", "max_ptr", "sum_ptr", "w_ptr", "a0", "a1", "a2", "t_ptr", "partial_ptr"], "*fp32"),
-        "stats_ptr": "*fp32",
         "position_ptr": "*i64",
         "count_ptr": "*i32",
         "scaling": "fp32",

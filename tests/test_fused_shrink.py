@@ -74,8 +74,7 @@ def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, s
 
 
 NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0),
-                "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192),
-                "shared_statistics": dict(NORM_SHARED_FROM=1)}  # fmt: skip
+                "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -216,7 +215,7 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
     first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
-    assert len(resources) == 13
+    assert len(resources) == 9
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
@@ -254,52 +253,7 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
                           ONE_STEP=True)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
         results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
-    for rows, width in ((8, 3584), (8, 5120), (2, 3584), (16, 8192)):  # the shared-statistics kernel's largest tiles
-        padded, block, columns, steps = K.shared_layout(rows, width, [32] * 3)
-        constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block,
-                          BLOCK_K=columns, STEPS=steps, STEPS_PAD=triton.next_power_of_2(steps), BLOCKS=96 // block)  # fmt: skip
-        compiled = compile_for_hopper(K._norm_shrink_shared_kernel, constexprs, K.ROWS_WARPS)
-        results[f"norm shared {rows} x {width}"] = resources_of(compiled.asm["cubin"], folder)
     return results
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
-@pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
-@pytest.mark.parametrize("shape", [(2, 200), (5, 3000), (8, 1100)], ids=["2x200", "5x3000", "8x1100"])
-def test_norm_shrink_with_shared_statistics_matches_the_torch_formulas(monkeypatch, dtype, residual, ranks, shape):
-    """`NORM_SHARED_FROM`: every row in each program, the statistics summed from the producers' steps (5 rows padded
-    to 8, rank blocks of 4 / 2 / 1 rows, a width in one step and in several)."""
-    from trl_qerl.rollout import _fused_shrink_kernel as kernel
-
-    monkeypatch.setattr(kernel, "NORM_SHARED_FROM", 2)
-    assert kernel.takes_shared_statistics(shape[0]) and not kernel.takes_shared_statistics(1)
-    _check_norm_shrink(dtype, residual, ranks, shape)
-
-
-def test_shared_statistics_leave_their_counters_at_zero_for_the_next_launch(monkeypatch):
-    """The producers' count, the consumers' departures and the steps' partial sums: all back at zero after a launch,
-    so the next one (a graph replay) waits for its own producers."""
-    from trl_qerl.nvfp4.cuda_mma import arrival_counters
-    from trl_qerl.rollout import _fused_shrink_kernel as kernel
-
-    monkeypatch.setattr(kernel, "NORM_SHARED_FROM", 2)
-    for seed in (0, 1):
-        x, res, lora_a = _case(4, 3000, (32, 8), torch.bfloat16, seed=seed)
-        assert kernel.shared_layout(4, 3000, [32, 8])[3] > 1
-        s, h, t = _poisoned(x), _poisoned(x), _poisoned(x, torch.float32, 40)
-        kernel.norm_shrink(x, res, torch.rand(3000, device=DEVICE) + 0.5, 1e-6, lora_a, s, h, t)
-        _assert_shrink(t, h, lora_a)
-        assert int(arrival_counters(x.device, 64).abs().sum()) == 0
-
-
-def test_shared_statistics_layout_takes_one_step_per_program():
-    from trl_qerl.rollout import _fused_shrink_kernel as kernel
-
-    assert kernel.shared_layout(8, 3584, [32] * 3) == (8, 2, 512, 7)  # 7B q/k/v: 7 producers, 48 x 7 consumers
-    assert kernel.shared_layout(8, 5120, [32] * 3) == (8, 2, 512, 10)  # 14B
-    assert kernel.shared_layout(2, 3584, [32] * 2) == (2, 4, 1024, 4)
-    assert not kernel.takes_shared_statistics(kernel.ROWS_MAX + 1)
 
 
 def test_shrink_benchmark_takes_only_settings_the_kernel_module_has():
@@ -327,10 +281,8 @@ def test_rollout_benchmark_engines_set_the_shrink_settings_and_restore_them():
         assert (kernel.NORM_ONE_STEP, kernel.NORM_ROWS) == (0, 1)
     with engine_environment("fused+compile+split_kv+shrink_settings", shrink_settings="NORM_ROWS=4"):
         assert kernel.NORM_ROWS == 4
-    shared = kernel.NORM_SHARED_FROM
-    with engine_environment("default+shrink_settings", shrink_settings="NORM_SHARED_FROM=3"):
-        assert kernel.NORM_SHARED_FROM == 3 and fused_decode.ADD_IN_NEXT_NORM  # the generator's defaults otherwise
-    assert kernel.NORM_SHARED_FROM == shared
+    with engine_environment("default+shrink_settings", shrink_settings="NORM_ROWS=2"):
+        assert kernel.NORM_ROWS == 2 and fused_decode.ADD_IN_NEXT_NORM  # the generator's defaults otherwise
     assert (kernel.NORM_ONE_STEP, kernel.NORM_ROWS) == shipped
     assert ENGINES["fused+compile+split_kv+twiddle+alt_choices"]["twiddled_decode"]
     with engine_environment("fused+compile+split_kv+twiddle+add_in_layer"):
@@ -385,13 +337,7 @@ def test_adding_in_the_next_norm_gives_the_same_samples(monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("add_in_next_norm", [False, True])
-@pytest.mark.parametrize("shared_statistics", [False, True], ids=["per_row", "shared_statistics"])
-def test_captured_compiled_step_with_the_fused_shrinks_on_cuda(monkeypatch, add_in_next_norm, shared_statistics):
-    """Also with the norm shrinks' shared-statistics kernel at the test's 2 rows (`NORM_SHARED_FROM`): its counters
-    must be back at zero for every replay of the captured step."""
-    from trl_qerl.rollout import _fused_shrink_kernel as kernel
-
-    monkeypatch.setattr(kernel, "NORM_SHARED_FROM", 1 if shared_statistics else 0)
+def test_captured_compiled_step_with_the_fused_shrinks_on_cuda(monkeypatch, add_in_next_norm):
     monkeypatch.setattr(fused_decode, "ADD_IN_NEXT_NORM", add_in_next_norm)
     samples, calls = _samples_with_and_without(monkeypatch, "qwen2", "cuda", compile=True)
     norms = {"add_rms_norm_shrink"} if add_in_next_norm else {"rms_norm_shrink", "add_rms_norm_shrink"}

@@ -78,12 +78,6 @@ NORM_TILE = 16384
 columns keep rank blocks of 2. 16 warps (`NORM_MAX_WARPS`) or tiles of 32,768 were slower (same run)."""
 NORM_MAX_WARPS = 8
 """Most warps per norm-shrink program (``BLOCK_K / 512``, at least one)."""
-NORM_SHARED_FROM = 0
-"""Norm shrinks of this many rows and more (up to `ROWS_MAX`) take `_norm_shrink_shared_kernel`, whose programs share
-each row's statistics and read each A tile once for every row; 0: never (the per-row kernel, as measured). The
-per-row kernel re-reads the row's A tile per row (14B q/k/v at 8 rows: ~16 MB from L2 per launch for a 2 MB A), and
-a norm over every row lost because each program re-read every row's whole width for the statistics (BENCHMARKS.md,
-nineteenth session). Not yet timed: `scripts/bench_fused_shrink.py --variants NORM_SHARED_FROM=2`."""
 
 
 @triton.jit
@@ -211,80 +205,6 @@ def _norm_shrink_kernel(
 
 
 @triton.jit
-def _rows_input(x_ptr, res_ptr, row_ids, columns, mask, stride_x, stride_res, HAS_RESIDUAL: tl.constexpr,
-                OUT: tl.constexpr):  # fmt: skip
-    """`_norm_input` of ``ROWS`` rows at once: ``[ROWS, BLOCK_K]`` in fp32."""
-    x = tl.load(x_ptr + row_ids[:, None] * stride_x + columns[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        res = tl.load(res_ptr + row_ids[:, None] * stride_res + columns[None, :], mask=mask, other=0.0)
-        x = _round(x + res.to(tl.float32), OUT).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _wait_until(counter, target):
-    """Spin until ``counter`` reaches ``target`` (acquire: the stores counted before it are visible after)."""
-    while tl.atomic_add(counter, 0, sem="acquire", scope="gpu") < target:
-        pass
-
-
-@triton.jit
-def _norm_shrink_shared_kernel(
-    x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr, stats_ptr, partial_ptr, count_ptr,
-    rows, width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
-    HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, STEPS: tl.constexpr, STEPS_PAD: tl.constexpr, BLOCKS: tl.constexpr,
-):  # fmt: skip
-    """Every row of the launch at once, one ``BLOCK_K`` step of columns per program. The first ``STEPS`` programs
-    (producers) store ``s`` and their step's sums of squares per row, then count themselves at counter ``BLOCKS``.
-    The others (one per rank block and step) load their rows, A tile and weights, wait for that count (producers
-    have the lowest program ids, so they are running or done: no deadlock), add the ``STEPS`` sums in order (the same
-    statistics in every program), store ``h`` (rank block 0) and leave ``h · A`` of their step to `_store_splits`.
-    The last consumer past the wait (counter ``BLOCKS + 1``) zeroes both counters for the next launch. In Triton's
-    interpreter programs run one after another in id order, so the producers are done before any consumer waits."""
-    pid = tl.program_id(0)
-    row_ids = tl.arange(0, ROWS)
-    live = row_ids < rows
-    if pid < STEPS:
-        columns = pid * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = live[:, None] & (columns < width)[None, :]
-        x = _rows_input(x_ptr, res_ptr, row_ids, columns, mask, stride_x, stride_res, HAS_RESIDUAL, OUT)
-        if HAS_RESIDUAL:
-            tl.store(s_ptr + row_ids[:, None] * stride_s + columns[None, :], x.to(OUT), mask=mask)
-        tl.store(stats_ptr + pid * ROWS + row_ids, tl.sum(x * x, axis=1))
-        tl.debug_barrier()  # every thread's stores before the count moves
-        tl.atomic_add(count_ptr + BLOCKS, 1, sem="release", scope="gpu")
-    else:
-        step = (pid - STEPS) % STEPS
-        block = (pid - STEPS) // STEPS
-        first = block * BLOCK_R
-        ranks = tl.arange(0, BLOCK_R)
-        columns = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        inside = columns < width
-        mask = live[:, None] & inside[None, :]
-        base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
-        a = tl.load(base + ranks[:, None] * width + columns[None, :], mask=inside[None, :], other=0.0)
-        weight = tl.load(w_ptr + columns, mask=inside, other=0.0).to(tl.float32)
-        x = _rows_input(x_ptr, res_ptr, row_ids, columns, mask, stride_x, stride_res, HAS_RESIDUAL, OUT)
-        _wait_until(count_ptr + BLOCKS, STEPS)
-        if tl.atomic_add(count_ptr + BLOCKS + 1, 1, sem="relaxed", scope="gpu") == BLOCKS * STEPS - 1:
-            tl.atomic_xchg(count_ptr + BLOCKS, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(count_ptr + BLOCKS + 1, 0, sem="relaxed", scope="gpu")
-        steps = tl.arange(0, STEPS_PAD)
-        sums = tl.load(stats_ptr + steps[:, None] * ROWS + row_ids[None, :], mask=(steps < STEPS)[:, None],
-                       other=0.0, cache_modifier=".cg")  # fmt: skip
-        inverse = tl.rsqrt(tl.sum(sums, axis=0) / width + eps)
-        normed = _round(x * inverse[:, None], OUT).to(tl.float32)
-        h = _round(weight[None, :] * normed, OUT)
-        if block == 0:
-            tl.store(h_ptr + row_ids[:, None] * stride_h + columns[None, :], h, mask=mask)
-        part = tl.sum(h.to(tl.float32)[:, None, :] * a[None, :, :], axis=2)
-        tile = row_ids[:, None] * BLOCK_R + ranks[None, :]
-        targets = t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :]
-        _store_splits(part, targets, live[:, None], partial_ptr, count_ptr, block, step, tile, ROWS * BLOCK_R, STEPS)
-
-
-@triton.jit
 def _silu_mul_shrink_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
     width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
@@ -405,42 +325,9 @@ def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tenso
     return (blocks, splits), span, partials, counters, meta
 
 
-def takes_shared_statistics(rows: int) -> bool:
-    """Whether a norm shrink of ``rows`` rows takes `_norm_shrink_shared_kernel` (`NORM_SHARED_FROM` to `ROWS_MAX`)."""
-    return 0 < NORM_SHARED_FROM <= rows <= ROWS_MAX
-
-
-def shared_layout(rows: int, width: int, ranks: list[int]) -> tuple[int, int, int, int]:
-    """(ROWS, BLOCK_R, BLOCK_K, STEPS) of `_norm_shrink_shared_kernel`: `rows_layout`'s register bounds, with one step
-    of columns per program (its loads are issued before the wait for the statistics)."""
-    padded, block, columns, _ = rows_layout(rows, width, ranks)
-    return padded, block, columns, triton.cdiv(width, columns)
-
-
-def _norm_shrink_shared(x, residual, weight, eps, lora_a, s, h, t) -> None:
-    rows, width = x.shape
-    padded, block, columns, steps = shared_layout(rows, width, [a.shape[0] for a in lora_a])
-    blocks = t.shape[1] // block
-    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
-    has_residual = residual is not None
-    stats = t.new_empty(steps * padded)
-    partials = t.new_empty(blocks * steps * padded * block) if steps > 1 else t
-    counters = arrival_counters(t.device, blocks + 2)
-    residual, s = (residual, s) if has_residual else (x, h)
-    _norm_shrink_shared_kernel[(steps * (1 + blocks),)](
-        x, residual, weight, a0, a1, a2, s, h, t, stats, partials, counters, rows, width, rank0, rank1, eps,
-        x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
-        HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], ROWS=padded, BLOCK_R=block, BLOCK_K=columns, STEPS=steps,
-        STEPS_PAD=triton.next_power_of_2(steps), BLOCKS=blocks, num_warps=ROWS_WARPS,
-    )  # fmt: skip
-
-
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
-    if takes_shared_statistics(rows):
-        _norm_shrink_shared(x, residual, weight, eps, lora_a, s, h, t)
-        return
     columns = block_k(width, NORM_MAX_BLOCK_K)
     per_program = min(NORM_ROWS, rows)
     groups = triton.cdiv(rows, per_program)
