@@ -53,6 +53,22 @@ def test_a_draw_from_given_uniforms_is_the_seeded_sample():
         draw_with_stats(logits, None, params)
 
 
+@pytest.mark.parametrize("width", [100, 65536, 152064, 70001])
+def test_argmax_in_groups_is_torch_argmax(width):
+    """`argmax_rows` (groups of columns, then the groups' maxima) picks what `torch.argmax` picks, the first maximal
+    index included: ties inside a group and across groups, -inf entries, widths that do not fill the last group."""
+    from trl_qerl.rollout.sampling import argmax_rows
+
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width, generator=generator)
+    x[1] = 0.5  # all equal: index 0
+    x[2, -1] = x[2, width // 2] = 9.0  # the same maximum in two groups
+    x[3, : width // 2] = float("-inf")
+    x[4, 5] = x[4, 6] = 9.0  # a tie inside one group
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(argmax_rows(x.to(dtype)), x.to(dtype).argmax(-1))
+
+
 def _step_buffers(batch=3, steps=4):
     return [torch.zeros(batch, dtype=torch.long), torch.full((batch,), 5), torch.tensor([7]), torch.tensor([1]),
             torch.tensor([False, True, False]), torch.zeros(batch, steps, dtype=torch.long),

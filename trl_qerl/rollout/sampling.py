@@ -53,6 +53,27 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+ARGMAX_GROUPS = 64
+"""`argmax_rows` splits rows of at least ``ARGMAX_GROUPS * 1024`` entries into this many groups. Compiled, inductor
+makes a row's argmax one reduction program (it does not split an argmax as it splits sums): over a 152K vocabulary
+with the Gumbel noise computed inside, 75 µs per decode step at batch 1 on an H100 (2026-12-06), against 3-4 µs for
+the log-softmax's split sums beside it."""
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a ``[B, V]`` tensor (the first maximal index, as `torch.argmax`), as the argmax of each of
+    `ARGMAX_GROUPS` groups of columns and then of the groups' maxima: many programs instead of one per row."""
+    rows, width = x.shape
+    if width < ARGMAX_GROUPS * 1024:
+        return x.argmax(dim=-1)
+    size = -(-width // ARGMAX_GROUPS)
+    blocks = torch.nn.functional.pad(x, (0, size * ARGMAX_GROUPS - width), value=float("-inf"))
+    blocks = blocks.view(rows, ARGMAX_GROUPS, size)
+    inside, best = blocks.argmax(dim=-1), blocks.amax(dim=-1)
+    group = best.argmax(dim=-1, keepdim=True)  # the first group holding the maximum holds its first index
+    return (group * size + inside.gather(-1, group))[:, 0]
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """One token per row: argmax for greedy, otherwise a Gumbel-max draw from the filtered distribution (the same
     distribution as ``multinomial(softmax(...))``, without its host synchronisation)."""
@@ -80,14 +101,14 @@ def draw_with_stats(
     """`sample_with_stats` given its `uniform_draws`: no random numbers of its own, so ``torch.compile`` can fuse it
     (the decode step's reductions over the vocabulary, each one launch of few programs in eager mode)."""
     if params.temperature == 0:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         zero = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         return tokens, zero, zero
     if uniform is None:
         raise ValueError("draw_with_stats needs uniform_draws(logits, params) when temperature > 0")
     filtered = filter_logits(logits, params)
     gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1.0 - 1e-7)))
-    tokens = (filtered + gumbel).argmax(dim=-1)
+    tokens = argmax_rows(filtered + gumbel)
     log_probs = filtered.log_softmax(dim=-1)
     entropy = torch.special.entr(log_probs.exp()).sum(dim=-1)
     return tokens, log_probs.gather(-1, tokens[:, None])[:, 0], entropy
