@@ -115,7 +115,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+narrow_wgmma": dict(engine="auto"),
            "default+wgmma_from_32": dict(engine="auto"),
            "default+tile_spread": dict(engine="auto"),
-           "default+spread_128": dict(engine="auto"),
+           "default+spread_64": dict(engine="auto"),
            "default+alt_choices": dict(engine="auto"),
            "default+own_choices": dict(engine="auto"),
            "default+eager_ends": dict(engine="auto"),
@@ -165,7 +165,7 @@ named engines; captured states keep their order; the generator's default since 2
 (`_lora_rows_kernel.GROUP_SPLITS` `GROUP_SUMS` while that engine captures and runs); the other named engines sum in one
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
-``+tile_spread``, ``+spread_128``, ``+eager_ends``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
+``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
 the named engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the
 chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines time their
 keys themselves. Compare them with ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
@@ -178,14 +178,14 @@ OWN_CHOICE_ENGINES = {
     "+narrow_wgmma": (cuda_wgmma, {"SPREAD_CANDIDATES": False}),
     "+wgmma_from_32": (kernels, {"WGMMA_ROWS": (32, kernels.WGMMA_ROWS[1])}),
     "+tile_spread": (cuda_mma, {"TILE_SPREAD_CANDIDATES": True}),
-    "+spread_128": (cuda_wgmma, {"SPREAD_MAX_ROWS": 128}),
+    "+spread_64": (cuda_wgmma, {"SPREAD_MAX_ROWS": 64}),
     "+eager_ends": (fused_decode, {"COMPILE_ENDS": False}),
     "+own_choices": (kernels, {}),
 }
 """Engine suffixes and the module settings (`module_settings`) that change which kernels the chooser times: without the wgmma kernel's spread
 candidates (the candidates before 2026-12-06), with the wgmma kernel a candidate from the 32-row bucket, with the
-tiled kernel's spread candidates (`cuda_mma.TILE_SPREAD_CANDIDATES`), with the wgmma kernel's spread candidates up to
-128 rows, with the decode step's ends and sampling eager (`fused_decode.COMPILE_ENDS` False, as before 2026-12-06; it
+tiled kernel's spread candidates (`cuda_mma.TILE_SPREAD_CANDIDATES`), with the wgmma kernel's spread candidates only up to
+64 rows (`cuda_wgmma.SPREAD_MAX_ROWS` before 2026-12-06; ``+spread_128`` measured 128, now the default), with the decode step's ends and sampling eager (`fused_decode.COMPILE_ENDS` False, as before 2026-12-06; it
 changes no kernel choice), and none (the control)."""
 
 GROUP_SUMS = 8

@@ -226,17 +226,20 @@ def test_spread_candidates_add_more_and_shorter_ctas(monkeypatch):
     for c in set(spread) - set(shipped):
         tiles = -(-4608 // c.rows)
         assert 28 // c.split_k >= cuda_wgmma.SPREAD_MIN_BLOCKS and tiles * c.split_k <= 4 * 132, c
-    # above SPREAD_MAX_ROWS (64) nothing is added
-    with_spread = cuda_wgmma.wgmma_candidate_configs(100, 4608, 3584)
+    # above SPREAD_MAX_ROWS nothing is added
+    above = cuda_wgmma.SPREAD_MAX_ROWS + 1
+    with_spread = cuda_wgmma.wgmma_candidate_configs(above, 4608, 3584)
     monkeypatch.setattr(cuda_wgmma, "SPREAD_CANDIDATES", False)
-    assert cuda_wgmma.wgmma_candidate_configs(100, 4608, 3584) == with_spread
+    assert cuda_wgmma.wgmma_candidate_configs(above, 4608, 3584) == with_spread
 
 
 @needs_hopper
 def test_spread_candidates_match_the_reference(monkeypatch):
-    """The spread candidates (short CTAs of a few blocks, shallow rings) of a q/k/v-like shape at 64 and 100 rows."""
+    """The spread candidates (short CTAs of a few blocks, shallow rings) of a q/k/v-like shape at 64, 100 and 128
+    rows (up to `SPREAD_MAX_ROWS`, 128 since 2026-12-06)."""
     monkeypatch.setattr(cuda_wgmma, "SPREAD_CANDIDATES", True)
-    for m in (64, 100):
+    monkeypatch.setattr(cuda_wgmma, "SPREAD_MAX_ROWS", 128)
+    for m in (64, 100, 128):
         configs = cuda_wgmma.wgmma_candidate_configs(max(m, 64), 1152, 3584)
         check_every_instance(
             cuda_wgmma.wgmma_matmul, configs, m, 1152, 3584, torch.bfloat16, cuda_wgmma.supports_wgmma

@@ -325,7 +325,7 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
                 fast.LANE_ORDER)  # fmt: skip
 
     shipped, before = defaults(), dict(kernels.CHOOSER.choices)
-    assert set(OWN_CHOICE_ENGINES) >= {"+narrow_wgmma", "+tile_spread", "+spread_128", "+own_choices"}
+    assert set(OWN_CHOICE_ENGINES) >= {"+narrow_wgmma", "+tile_spread", "+spread_64", "+own_choices"}
     assert all(f"default{suffix}" in ENGINES for suffix in OWN_CHOICE_ENGINES)
     with engine_environment("default+narrow_wgmma"):
         assert defaults() == shipped and not cuda_wgmma.SPREAD_CANDIDATES

@@ -50,10 +50,12 @@ down or 14B q/k/v. The 7B decode step at 64 rows, both engines with their own ch
 defaults). The chooser times them with the others, so a key takes one only where it is faster; False restores the
 candidates before. Shipped tables keep the choices timed before (the H200's 64-row keys)."""
 
-SPREAD_MAX_ROWS = 64
-"""Most rows for which `SPREAD_CANDIDATES` adds instances. At 128 rows some won alone (7B o: 17.6 against 20.5 µs);
-the decode-step comparisons at 128 rows were confounded (2026-12-06), so 128 rows keep the candidates before until
-measured."""
+SPREAD_MAX_ROWS = 128
+"""Most rows for which `SPREAD_CANDIDATES` adds instances. At 128 rows some won alone (7B o: 17.6 against 20.5 µs), and
+the 7B decode step at 128 rows on an H100 (2026-12-06, BENCHMARKS.md "The decode step's ends and sampling compiled",
+each engine with its own kernel choices, two processes) took 8.39 / 8.39 / 8.30 ms with them up to 128 rows against
+8.54 / 8.58 with them up to 64. At 64 rows the step showed no difference beyond the spread between engines (6.37
+without them against 6.42 / 6.31 with). Shipped tables keep the choices timed before (the H200's 128-row keys)."""
 
 SPREAD_MIN_BLOCKS = 4
 """Fewest 128-column blocks per CTA of `SPREAD_CANDIDATES`' splits."""
