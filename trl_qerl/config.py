@@ -117,8 +117,9 @@ class QeRLConfig(GRPOConfig):
             Qwen2 and Qwen3, else the model's forward, logged), `"fused"` (an error for other models) or `"model"`
             (the model's forward on a static KV cache).
         fast_rollout_compile (`bool`, *optional*):
-            Compile the fused decode step's layer with `torch.compile` (default: on CUDA). Costs a few seconds once
-            per run; a compile failure falls back to eager layers with a warning.
+            Compile the fused decode step with `torch.compile` (default: on CUDA): its layer, what runs around the
+            layers (embedding, rotary, final norm) and the sampling. Costs a few seconds once per run; a compile
+            failure falls back to eager with a warning.
         fast_rollout_twiddled_decode (`bool`, *optional*):
             Hold the NVFP4 codes in a kernel-friendly order while the fast backend's decode steps run (permuted in
             place for the decode loop, restored after it; 3-5 % of a 7B decode step at 1-32 rows on the H200, 5-6 %
@@ -297,8 +298,9 @@ class QeRLConfig(GRPOConfig):
     fast_rollout_compile: bool | None = field(
         default=None,
         metadata={
-            "help": "Compile the fused decode step's layer with torch.compile (default: on CUDA). Costs a few seconds "
-            "once per run; a compile failure falls back to eager layers with a warning."
+            "help": "Compile the fused decode step with torch.compile (default: on CUDA): its layer, the embedding, "
+            "rotary, final norm and sampling around it. Costs a few seconds once per run; a compile failure falls "
+            "back to eager with a warning."
         },
     )
     fast_rollout_twiddled_decode: bool | None = field(

@@ -361,7 +361,8 @@ class StaticCacheGenerator:
             LoRA and AQN norms read in place); ``"model"`` calls the model's forward on a transformers
             `StaticCache` ("sdpa" or "eager" attention); ``"auto"`` (default) takes "fused" where it applies and
             logs why not otherwise.
-        compile: run the fused step's layers through ``torch.compile`` (default: on CUDA).
+        compile: run the fused step's layers, the embedding, rotary and final norm around them and the sampling through
+            ``torch.compile`` (default: on CUDA).
         decode_attention: the fused step's decode attention: ``"auto"`` (default: ``"split_kv"`` on Hopper GPUs,
             where it was measured, else ``"sdpa"``), ``"sdpa"`` or ``"split_kv"`` (a Triton kernel that reads the
             cache only up to the current position; see `FusedDecoder`).

@@ -483,7 +483,10 @@ COMPILE_ENDS = True
 """With ``compile=True``, also compile what a decode step runs around its layers (`decode_inputs`, `decode_logits`;
 `fast.StaticCacheGenerator` compiles its sampling alike). Eagerly that is ~20 launches per step (the H100 profile of
 2026-12-06: ~46 launches outside the layers, ~0.12 ms of kernels at batch 1, the vocabulary's log-softmax alone 33 µs
-in one program per row). ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s ``default+eager_ends``)."""
+in one program per row). Measured on an H100 (7B, NVFP4 + LoRA r32 + AQN, 2026-12-06, with `sampling.argmax_rows`):
+324 / 357 kernels per step at batch 1 / 8 instead of 364 / 392, and 0.09-0.10 ms less kernel time; the wall step moved
+by less than the spread between runs. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s
+``default+eager_ends``)."""
 
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "combo_kernels": True}
 """Inductor options of the compiled decode layer. ``emulate_precision_casts``: round where the eager code rounds (to
@@ -553,7 +556,8 @@ class FusedDecoder:
         spec: the model's tensors (`read_decoder`).
         batch / cache_len: cache shape; ``cache_len`` must not exceed the model's sliding window.
         device: where the cache lives.
-        compile: run each decode layer through ``torch.compile`` (one graph for all layers; prefill stays eager).
+        compile: run each decode layer through ``torch.compile`` (one graph for all layers; prefill stays eager),
+            and with `COMPILE_ENDS` the decode step's `decode_inputs` and `decode_logits` too.
         decode_attention: ``"sdpa"`` (`F.scaled_dot_product_attention` over the whole cache), ``"split_kv"``
             (`decode_attention.split_kv_attention`: a Triton kernel split over the cache length that reads only
             the filled positions; CUDA, or Triton's interpreter on CPU) or ``"auto"`` (``"split_kv"`` on Hopper,
