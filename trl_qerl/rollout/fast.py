@@ -196,7 +196,7 @@ class _DecodeState:
             except Exception as error:  # noqa: BLE001 - a compiler problem must not stop rollouts
                 logger.warning("compiling the decode step's sampling failed (%s: %s); running it eagerly",
                                type(error).__name__, str(error).strip()[:300])  # fmt: skip
-                _RECORD.compiled = None
+                _RECORD.give_up()
         record_step(*args)
 
     def replay(self) -> None:
@@ -257,7 +257,7 @@ class _CompiledRecord:
     """`record_step` through ``torch.compile``, made on first use and shared by every decode state (its graphs are
     keyed by shapes and sampling settings). Steps of a compiled `FusedDecoder` use it; eagerly the draw's reductions
     over the vocabulary take one program per row each (the H100 profile of 2026-12-06, 7B at batch 1: 33 µs for the
-    log-softmax alone) and the bookkeeping a launch per buffer. None once compiling failed (then eager, logged once)."""
+    log-softmax alone) and the bookkeeping a launch per buffer."""
 
     def __init__(self) -> None:
         self._compiled: Callable[..., None] | None = None
@@ -272,9 +272,9 @@ class _CompiledRecord:
             self._compiled = torch.compile(record_step, fullgraph=True, options=dict(fused_decode.COMPILE_OPTIONS))
         return self._compiled
 
-    @compiled.setter
-    def compiled(self, value: None) -> None:
-        self._compiled, self._failed = value, value is None
+    def give_up(self) -> None:
+        """Compiling failed: every later step records eagerly (the caller has logged why)."""
+        self._compiled, self._failed = None, True
 
 
 _RECORD = _CompiledRecord()

@@ -481,9 +481,9 @@ def decoder_layer(
 
 COMPILE_ENDS = True
 """With ``compile=True``, also compile what a decode step runs around its layers (`decode_inputs`, `decode_logits`;
-`fast.StaticCacheGenerator` compiles its sampling alike). Eagerly that is ~20 launches per step (the H100 profile of
-2026-12-06: ~46 launches outside the layers, ~0.12 ms of kernels at batch 1, the vocabulary's log-softmax alone 33 µs
-in one program per row). Measured on an H100 (7B, NVFP4 + LoRA r32 + AQN, 2026-12-06, with `sampling.argmax_rows`):
+`fast.StaticCacheGenerator` compiles its sampling alike). Eagerly, the H100 profile of 2026-12-06 had ~46 launches per
+step outside the layers, ~20 of them these ends and the rest the sampling and its bookkeeping: ~0.12 ms of kernels at
+batch 1, the vocabulary's log-softmax alone 33 µs in one program per row. Measured on an H100 (7B, NVFP4 + LoRA r32 + AQN, 2026-12-06, with `sampling.argmax_rows`):
 324 / 357 kernels per step at batch 1 / 8 instead of 364 / 392, and 0.09-0.10 ms less kernel time; the wall step moved
 by less than the spread between runs. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s
 ``default+eager_ends``)."""
