@@ -194,8 +194,7 @@ class _DecodeState:
                 _RECORD.compiled(*args)
                 return
             except Exception as error:  # noqa: BLE001 - a compiler problem must not stop rollouts
-                logger.warning("compiling the decode step's sampling failed (%s: %s); running it eagerly",
-                               type(error).__name__, str(error).strip()[:300])  # fmt: skip
+                fused_decode.log_compile_failure(logger, "the decode step's sampling", error)
                 _RECORD.give_up()
         record_step(*args)
 

@@ -516,6 +516,14 @@ def decode_logits(spec: DecoderSpec, x: torch.Tensor, delta: torch.Tensor | None
     return project(last, (spec.lm_head,))[0]
 
 
+def log_compile_failure(log: logging.Logger, what: str, error: Exception) -> None:
+    """One warning that compiling ``what`` failed (the error's first line) and that it runs eagerly from now on, and
+    the error in full one level down (the line and the user frame dynamo stopped at)."""
+    message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    log.warning("compiling %s failed (%s: %s); running it eagerly", what, type(error).__name__, message)
+    log.debug("the compile error in full (the line and the user frame dynamo stopped at)", exc_info=error)
+
+
 def _compiled_ends() -> tuple:
     """`decode_inputs` and `decode_logits` compiled: eagerly they are ~20 launches of a few µs each per decode step
     (the rotary embedding's, the final norm's), compiled a few fused kernels around the LM head's product."""
@@ -635,12 +643,7 @@ class FusedDecoder:
             try:
                 return self._forward(self._decode_layer, *args, ends=self._decode_ends)
             except Exception as error:  # noqa: BLE001 - a compiler problem must not stop rollouts
-                message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-                logger.warning("compiling the fused decode step failed (%s: %s); running it eagerly",
-                               type(error).__name__, message)  # fmt: skip
-                logger.debug(
-                    "the compile error in full (the line and the user frame dynamo stopped at)", exc_info=error
-                )
+                log_compile_failure(logger, "the fused decode step", error)
                 self._decode_layer, self._decode_ends = decoder_layer, (decode_inputs, decode_logits)
         return self._forward(decoder_layer, *args)
 
