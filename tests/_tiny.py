@@ -110,13 +110,13 @@ def record_calls(monkeypatch, module, names) -> dict[str, bool]:
 
 def fused_samples_with_and_without(
     monkeypatch, setting: str, recorded: tuple[str, ...], device: str = "cuda", compile: bool = True,
-    arch: str = "qwen2", rank: int = 16, prompts: list[list[int]] | None = None,
+    arch: str = "qwen2", rank: int = 16, prompts: list[list[int]] | None = None, decode_attention: str = "auto",
 ):  # fmt: skip
     """Greedy samples (6 tokens) from the fused engine (compiled and, on CUDA, captured if ``compile``) on a tiny NVFP4
     ``arch`` model with LoRA of ``rank`` (random B), with ``fused_decode.<setting>`` True and then False. Asserts that
     some function ``fused_decode.<name>`` of ``recorded`` was called (inside the compiled step) exactly when it was
     True. Returns ``({True: samples, False: samples}, names called while True)``. ``prompts``: 20 short ones by
-    default."""
+    default; ``decode_attention``: the generator's."""
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config
     from trl_qerl.quantizer import quantize_model
     from trl_qerl.rollout import fused_decode
@@ -134,8 +134,9 @@ def fused_samples_with_and_without(
     for on in (True, False):
         monkeypatch.setattr(fused_decode, setting, on)
         generator = StaticCacheGenerator(
-            model, engine="fused", cuda_graph=compile and device == "cuda", compile=compile
-        )
+            model, engine="fused", cuda_graph=compile and device == "cuda", compile=compile,
+            decode_attention=decode_attention,
+        )  # fmt: skip
         samples[on] = generator.sample(prompts, params, eos_token_ids=[], pad_token_id=0)
         assert bool(calls) == on, f"{recorded} {'not ' if on else ''}called with {setting}={on}"
         if on:

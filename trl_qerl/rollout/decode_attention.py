@@ -28,10 +28,13 @@ __all__ = [
     "chunk_size",
     "combine_partials",
     "launch_merge",
+    "launch_merge_shrink",
     "launch_partials",
     "partials_reference",
+    "shrink_in_merge_applies",
     "split_kv_applies",
     "split_kv_attention",
+    "split_kv_attention_shrink",
     "split_kv_partials",
     "triton_available",
 ]
@@ -126,6 +129,33 @@ def launch_merge(acc, maxima, sums, out, cache_position: torch.Tensor | None = N
           dim_block=MERGE_DIM_BLOCK, split_block=MERGE_SPLITS)  # fmt: skip
 
 
+def launch_merge_shrink(acc, maxima, sums, out, lora_a, hidden, cache_position: torch.Tensor | None = None,
+                        cache_len: int = 0) -> None:  # fmt: skip
+    """`launch_merge`, and in the same launch ``hidden[B, r] = out.reshape(B, -1) @ lora_a.T`` in fp32 from the
+    rounded output (the o projection's LoRA shrink; ``lora_a`` fp32 ``[r, H * D]``, ``r`` a power of two)."""
+    from ._split_kv_kernel import chunk_of, merge_shrink
+
+    chunk = chunk_of(cache_len, acc.shape[1], BLOCK) if cache_position is not None and cache_len > 0 else 0
+    merge_shrink(acc, maxima, sums, out, lora_a, hidden, min_stat=MIN_STAT, cache_position=cache_position,
+                 chunk=chunk, dim_block=MERGE_DIM_BLOCK, split_block=MERGE_SPLITS)  # fmt: skip
+
+
+def shrink_in_merge_applies(q: torch.Tensor, lora_a: torch.Tensor) -> bool:
+    """Whether `split_kv_attention_shrink` takes this A matrix for ``q[B, H, 1, D]``: fp32, contiguous, ``[r, H *
+    D]`` with ``r`` a power of two, on ``q``'s device, and ``q`` 16-bit (the o projection's input)."""
+    rank = lora_a.shape[0]
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and lora_a.dtype == torch.float32
+        and lora_a.dim() == 2
+        and lora_a.shape[1] == q.shape[1] * q.shape[-1]
+        and lora_a.is_contiguous()
+        and lora_a.device == q.device
+        and rank > 0
+        and rank & (rank - 1) == 0
+    )
+
+
 def triton_available() -> bool:
     """Whether Triton can be imported (it is optional: CPU-only environments may lack it)."""
     return importlib.util.find_spec("triton") is not None
@@ -188,6 +218,26 @@ def split_kv_attention(
 @split_kv_attention.register_fake
 def _(q, keys, values, mask, scaling, cache_position):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("trl_qerl::split_kv_attention_shrink", mutates_args=())
+def split_kv_attention_shrink(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
+    cache_position: torch.Tensor, lora_a: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`split_kv_attention` and the LoRA shrink of its output: ``(out, hidden)`` with ``hidden = out.transpose(1,
+    2).reshape(B, -1).float() @ lora_a.T`` made by the merge launch (`launch_merge_shrink`), where a compiled step
+    would otherwise launch a reduction of its own per layer. Callers check `shrink_in_merge_applies`."""
+    out = torch.empty_like(q)
+    hidden = q.new_empty(q.shape[0], lora_a.shape[0], dtype=torch.float32)
+    acc, maxima, sums = split_kv_partials(q, keys, values, mask, scaling, cache_position)
+    launch_merge_shrink(acc, maxima, sums, out, lora_a, hidden, cache_position, keys.shape[2])
+    return out, hidden
+
+
+@split_kv_attention_shrink.register_fake
+def _(q, keys, values, mask, scaling, cache_position, lora_a):
+    return torch.empty_like(q), q.new_empty(q.shape[0], lora_a.shape[0], dtype=torch.float32)
 
 
 def combine_partials(acc: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
