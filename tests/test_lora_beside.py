@@ -343,12 +343,17 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
     with engine_environment("default+o_shrink_apart"):
         assert not fused_decode.SHRINK_IN_MERGE
     assert fused_decode.SHRINK_IN_MERGE == shrink_in_merge
+    rotary_in_attention = fused_decode.ROTARY_IN_ATTENTION
+    with engine_environment("default+rotary_apart"):
+        assert not fused_decode.ROTARY_IN_ATTENTION and fused_decode.SHRINK_IN_MERGE == shrink_in_merge
+    assert fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
         assert defaults() == shipped
     assert kernels.CHOOSER.choices == before
     with engine_environment("fused+compile+split_kv+twiddle"):  # a named engine: the settings it was measured with
         assert not fused_decode.LORA_SHRINK_BESIDE and not fast.LANE_ORDER and not fused_decode.SHRINK_IN_MERGE
+        assert not fused_decode.ROTARY_IN_ATTENTION
 
 
 def test_small_steps_take_it_in_place_of_the_norm_shrinks_when_asked(monkeypatch):

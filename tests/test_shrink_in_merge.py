@@ -66,9 +66,11 @@ def test_applies_only_to_what_the_kernel_reads():
 
 def test_the_decode_step_samples_the_same_with_the_shrink_in_the_merge(monkeypatch):
     """Greedy samples of a tiny NVFP4 + LoRA model with split-KV attention (eager on CPU, compiled and captured on
-    CUDA): the same tokens with `SHRINK_IN_MERGE` on as off, and the op runs only while it is on."""
+    CUDA): the same tokens with `SHRINK_IN_MERGE` on as off, and the op runs only while it is on (with the rotary
+    embedding apart from the attention: `test_rotary_in_attention.py` has it inside)."""
     from _tiny import fused_samples_with_and_without
 
+    monkeypatch.setattr(fused_decode, "ROTARY_IN_ATTENTION", False)
     samples, _ = fused_samples_with_and_without(
         monkeypatch, "SHRINK_IN_MERGE", ("split_kv_attention_shrink",), DEVICE, CUDA, rank=4,
         prompts=[[5, 6, 7], [8, 9], [3, 4, 5, 6]], decode_attention="split_kv",
@@ -82,6 +84,8 @@ def test_the_decode_step_samples_the_same_with_the_shrink_in_the_merge(monkeypat
 
 
 def test_steps_above_the_shrink_rows_or_without_split_kv_keep_the_shrink_apart(monkeypatch):
+    """`fused_decode.attend` (and so the attention after the rotary embedding, and the rotary op alike: both ask
+    `_merge_shrinks`) takes the shrink up to `FUSED_SHRINK_ROWS` rows, with split-KV attention, while it is on."""
     from _tiny import randomize_lora_b, tiny_model
 
     from trl_qerl.lora import get_peft_model, nvfp4_lora_config

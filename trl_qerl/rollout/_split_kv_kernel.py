@@ -10,18 +10,31 @@ import triton.language as tl
 
 from ..nvfp4.cuda_mma import arrival_counters
 from ._arrival_kernel import last_to_arrive, reset_arrivals
+from ._fused_shrink_kernel import _round
+
+
+@triton.jit
+def _rotated(ptr, offsets, dims, cos, sin, mask, HEAD_DIM: tl.constexpr, IO: tl.constexpr):
+    """transformers' ``x * cos + rotate_half(x) * sin`` of the heads at ``ptr + offsets`` (broadcast against
+    ``dims``), each product and the sum rounded to ``IO`` as the eager ops round them; fp32 values."""
+    half: tl.constexpr = HEAD_DIM // 2
+    x = tl.load(ptr + offsets + dims, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + offsets + (dims + half) % HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.where(dims < half, -partner, partner)
+    return _round(_round(x * cos, IO).to(tl.float32) + _round(partner * sin, IO).to(tl.float32), IO).to(tl.float32)
 
 
 @triton.jit
 def _partials_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, position_ptr, acc_ptr, max_ptr, sum_ptr, out_ptr, count_ptr,
+    new_k_ptr, new_v_ptr, cos_ptr, sin_ptr,
     scaling, cache_len,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_nk, stride_nv, stride_cos, stride_sin,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MIN_STAT: tl.constexpr, MERGE: tl.constexpr,
-    MERGE_DIM_BLOCK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr,
+    MERGE_DIM_BLOCK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr, ROTARY: tl.constexpr, IO: tl.constexpr,
 ):  # fmt: skip
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -29,18 +42,30 @@ def _partials_kernel(
     kv_head = row_head % KV_HEADS
     heads = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + row * stride_qb + (kv_head * GROUP + heads)[:, None] * stride_qh + dims[None, :],
-        mask=(heads < GROUP)[:, None], other=0.0,
-    ).to(DOT_DTYPE)  # fmt: skip
     last = tl.load(position_ptr)  # the position written this step; later ones are masked anyway
     start = split * CHUNK
+    k_base = k_ptr + row * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + row * stride_vb + kv_head * stride_vh
+    q_offsets = row * stride_qb + (kv_head * GROUP + heads)[:, None] * stride_qh
+    if ROTARY:  # q, k before rotary: rotate them here, and the chunk holding `last` writes k and v into the cache
+        cos = tl.load(cos_ptr + row * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + row * stride_sin + dims).to(tl.float32)
+        q = _rotated(q_ptr, q_offsets, dims[None, :], cos[None, :], sin[None, :], (heads < GROUP)[:, None], HEAD_DIM,
+                     IO).to(DOT_DTYPE)  # fmt: skip
+        if (last >= start) & (last < start + CHUNK):
+            new_k = _rotated(new_k_ptr, row * stride_nk + kv_head * HEAD_DIM, dims, cos, sin, dims < HEAD_DIM,
+                             HEAD_DIM, IO)  # fmt: skip
+            tl.store(k_base + last * stride_kl + dims, new_k.to(k_ptr.dtype.element_ty))
+            tl.store(
+                v_base + last * stride_vl + dims, tl.load(new_v_ptr + row * stride_nv + kv_head * HEAD_DIM + dims)
+            )
+            tl.debug_barrier()  # the loop below reads them back (other threads of this program)
+    else:
+        q = tl.load(q_ptr + q_offsets + dims[None, :], mask=(heads < GROUP)[:, None], other=0.0).to(DOT_DTYPE)
     end = tl.minimum(tl.minimum(start + CHUNK, last + 1), cache_len)
     running_max = tl.full([GROUP_PAD], MIN_STAT, dtype=tl.float32)
     running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    k_base = k_ptr + row * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + row * stride_vb + kv_head * stride_vh
     for offset in range(start, end, BLOCK):
         positions = offset + tl.arange(0, BLOCK)
         inside = positions < end
@@ -237,14 +262,19 @@ def chunk_of(cache_len: int, splits: int, block: int) -> int:
 
 def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block: int, min_stat: float,
            out: torch.Tensor | None = None, num_warps: int = 4, merge_dim_block: int = 0,
-           merge_split_block: int = 1) -> None:  # fmt: skip
+           merge_split_block: int = 1, rotary: tuple | None = None) -> None:  # fmt: skip
     """`decode_attention.launch_partials`: one program per (row x KV head, chunk). With ``out`` the last chunk of
-    each (row, KV head) to finish merges the partials into it (one launch instead of two, `merge`)."""
-    batch, heads, _, head_dim = q.shape
+    each (row, KV head) to finish merges the partials into it (one launch instead of two, `merge`). With ``rotary =
+    (new_k, new_v, cos, sin)``, ``q`` is ``[B, H * D]`` before the rotary embedding (rows may be strided), rotated
+    here, and the key (rotated) and value ``[B, KVH * D]`` of this step are written into the cache at
+    ``cache_position`` by the program whose chunk holds it; ``cos`` / ``sin`` are ``[B, D]``."""
+    batch, head_dim = q.shape[0], keys.shape[3]
+    heads = q.shape[1] if rotary is None else q.shape[1] // head_dim
     kv_heads, cache_len = keys.shape[1], keys.shape[2]
     splits = acc.shape[1]
     chunk = chunk_of(cache_len, splits, block)
-    q3 = q.reshape(batch, heads, head_dim)
+    q3 = q.reshape(batch, heads, head_dim) if rotary is None else q.view(batch, heads, head_dim)
+    new_k, new_v, cos, sin = rotary if rotary is not None else (q3, q3, q3, q3)
     mask2 = mask.reshape(batch, cache_len)
     group = heads // kv_heads
     merged = out is not None
@@ -255,16 +285,21 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
     # caller asked for; the fp32 tests failed with it on the H200. 16-bit operands ignore the argument.
     _partials_kernel[(batch * kv_heads, splits)](
         q3, keys, values, mask2, cache_position, acc, maxima, sums, out, counters,
+        new_k, new_v, cos, sin,
         scaling, cache_len,
         q3.stride(0), q3.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), mask2.stride(0),
         out.stride(0) if merged else 0, out.stride(1) if merged else 0,
+        new_k.stride(0), new_v.stride(0), cos.stride(0), sin.stride(0),
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         CHUNK=chunk, BLOCK=block, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MIN_STAT=min_stat, MERGE=merged, MERGE_DIM_BLOCK=dim_block, MERGE_SPLIT_BLOCK=split_block,
-        num_warps=num_warps,
+        ROTARY=rotary is not None, IO=_IO_DTYPES[q.dtype], num_warps=num_warps,
     )  # fmt: skip
+
+
+_IO_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _dot_dtype(dtype: torch.dtype):

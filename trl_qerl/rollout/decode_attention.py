@@ -31,9 +31,11 @@ __all__ = [
     "launch_merge_shrink",
     "launch_partials",
     "partials_reference",
+    "rotary_in_attention_applies",
     "shrink_in_merge_applies",
     "split_kv_applies",
     "split_kv_attention",
+    "split_kv_attention_rotary",
     "split_kv_attention_shrink",
     "split_kv_partials",
     "triton_available",
@@ -107,14 +109,19 @@ def chunk_size(cache_len: int, row_heads: int, device: torch.device) -> int:
     return max(BLOCK, _cdiv(chunk, BLOCK) * BLOCK)
 
 
-def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, out=None) -> None:
+def launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, out=None,
+                    rotary: tuple | None = None) -> None:  # fmt: skip
     """Run the kernel into ``acc[B*KVH, S, G, D]``, ``maxima`` / ``sums[B*KVH, S, G]`` (fp32). The ``S`` chunks
     are ``cdiv(cache_len, S)`` positions rounded up to `BLOCK`. With ``out[B, H, 1, D]`` the same launch also
-    merges them into it (as `launch_merge` would). Needs Triton (imported here: the package imports without it)."""
+    merges them into it (as `launch_merge` would). With ``rotary = (k, v, cos, sin)``, ``q`` and ``k`` come before
+    the rotary embedding as ``[B, H * D]`` / ``[B, KVH * D]`` rows (``cos``, ``sin``: ``[B, D]``): the kernel
+    rotates them and writes this step's key and value into the cache at ``cache_position``. Needs Triton (imported
+    here: the package imports without it)."""
     from ._split_kv_kernel import launch
 
     launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, block=BLOCK, min_stat=MIN_STAT, out=out,
-           num_warps=PARTIALS_WARPS, merge_dim_block=MERGE_DIM_BLOCK, merge_split_block=MERGE_SPLITS)  # fmt: skip
+           num_warps=PARTIALS_WARPS, merge_dim_block=MERGE_DIM_BLOCK, merge_split_block=MERGE_SPLITS,
+           rotary=rotary)  # fmt: skip
 
 
 def launch_merge(acc, maxima, sums, out, cache_position: torch.Tensor | None = None, cache_len: int = 0) -> None:
@@ -238,6 +245,56 @@ def split_kv_attention_shrink(
 @split_kv_attention_shrink.register_fake
 def _(q, keys, values, mask, scaling, cache_position, lora_a):
     return torch.empty_like(q), q.new_empty(q.shape[0], lora_a.shape[0], dtype=torch.float32)
+
+
+def rotary_in_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                keys: torch.Tensor) -> bool:  # fmt: skip
+    """Whether `split_kv_attention_rotary` takes these: one token per row, ``q`` / ``k`` / ``v`` ``[B, width]`` rows
+    with contiguous last dims (the fused q/k/v output's views), ``cos`` ``[B, 1, D]`` in their dtype with a
+    contiguous last dim, a cache ``[B, KVH, L, D]`` of that dtype."""
+    batch, kv_heads, _, head_dim = keys.shape
+    return (
+        q.dim() == k.dim() == v.dim() == 2
+        and q.shape[0] == k.shape[0] == v.shape[0] == batch
+        and q.shape[1] % head_dim == 0
+        and k.shape[1] == v.shape[1] == kv_heads * head_dim
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and cos.shape == (batch, 1, head_dim)
+        and cos.stride(-1) == 1
+        and q.dtype == k.dtype == v.dtype == cos.dtype == keys.dtype
+    )
+
+
+@torch.library.custom_op("trl_qerl::split_kv_attention_rotary", mutates_args=("keys", "values"))
+def split_kv_attention_rotary(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+    values: torch.Tensor, mask: torch.Tensor, scaling: float, cache_position: torch.Tensor,
+    lora_a: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One decode token's attention from the q/k/v projections' rows ``[B, H * D]`` / ``[B, KVH * D]``, before the
+    rotary embedding: the partials launch rotates ``q`` and ``k`` (``cos`` / ``sin`` ``[B, 1, D]``, the eager
+    roundings) and writes this step's key and value into ``keys`` / ``values`` at ``cache_position``, where the
+    compiled step would otherwise launch a kernel of its own for that. Returns ``(out[B, H, 1, D], hidden)``:
+    ``hidden`` the LoRA shrink of ``lora_a`` as `split_kv_attention_shrink` makes it, or ``[B, 0]`` without
+    ``lora_a``. Callers check `rotary_in_attention_applies` (and `shrink_in_merge_applies`)."""
+    batch, head_dim = q.shape[0], keys.shape[3]
+    out = q.new_empty(batch, q.shape[1] // head_dim, 1, head_dim)
+    acc, maxima, sums = _partials_buffers(out, keys)
+    rotary = (k, v, cos.reshape(batch, head_dim), sin.reshape(batch, head_dim))
+    launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, rotary=rotary)
+    hidden = q.new_empty(batch, lora_a.shape[0] if lora_a is not None else 0, dtype=torch.float32)
+    if lora_a is not None:
+        launch_merge_shrink(acc, maxima, sums, out, lora_a, hidden, cache_position, keys.shape[2])
+    else:
+        launch_merge(acc, maxima, sums, out, cache_position, keys.shape[2])
+    return out, hidden
+
+
+@split_kv_attention_rotary.register_fake
+def _(q, k, v, cos, sin, keys, values, mask, scaling, cache_position, lora_a=None):
+    head_dim = keys.shape[3]
+    out = q.new_empty(q.shape[0], q.shape[1] // head_dim, 1, head_dim)
+    return out, q.new_empty(q.shape[0], lora_a.shape[0] if lora_a is not None else 0, dtype=torch.float32)
 
 
 def combine_partials(acc: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:

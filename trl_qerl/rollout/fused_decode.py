@@ -36,9 +36,11 @@ import torch.nn.functional as F
 from ..nvfp4.cuda_mma import LORA_RANKS
 from ..nvfp4.dispatch import kernels_for
 from .decode_attention import (
+    rotary_in_attention_applies,
     shrink_in_merge_applies,
     split_kv_applies,
     split_kv_attention,
+    split_kv_attention_rotary,
     split_kv_attention_shrink,
     triton_available,
 )
@@ -71,6 +73,7 @@ __all__ = [
     "LORA_BESIDE_MIN_ROWS",
     "LORA_ROW_KERNELS",
     "LORA_SHRINK_BESIDE",
+    "ROTARY_IN_ATTENTION",
     "SHRINK_IN_MERGE",
     "FusedDecoder",
     "apply_rotary",
@@ -157,6 +160,14 @@ SHRINK_IN_MERGE = True
 (`decode_attention.split_kv_attention`), make it in the attention's merge launch (`split_kv_attention_shrink`), from
 the merged output it has just rounded, instead of a reduction of its own (compiled, inductor's, ~1.9 µs per 7B layer
 on an H100). ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s ``+o_shrink_apart`` engines)."""
+
+
+ROTARY_IN_ATTENTION = True
+"""Where decode attention runs split over the cache and the layer has no q/k norms, rotate q and k and write this
+step's key and value into the cache in the attention's partials launch (`split_kv_attention_rotary`), instead of a
+kernel of their own per layer (compiled, inductor's rotary with the cache writes, ~1.35 µs per 7B layer on an H100).
+The same roundings as the eager ops: the same bits. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s
+``+rotary_apart`` engines)."""
 
 
 ADD_IN_NEXT_NORM = True
@@ -467,6 +478,22 @@ def attend(
     return out.transpose(1, 2).reshape(batch * tokens, -1), None
 
 
+def _rotary_in_attention(layer: LayerSpec, q, k, v, cos, cache_k) -> bool:
+    return ROTARY_IN_ATTENTION and layer.q_norm is None and rotary_in_attention_applies(q, k, v, cos, cache_k)
+
+
+def _attend_unrotated(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+    values: torch.Tensor, mask: torch.Tensor, scaling: float, cache_position: torch.Tensor, o: Projection,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """`attend` for one decode token per row from the q/k/v projections' rows before the rotary embedding
+    (`ROTARY_IN_ATTENTION`): the attention launch rotates them and writes the cache."""
+    batch, head_dim = q.shape[0], keys.shape[3]
+    lora_a = _merge_shrinks(q.view(batch, -1, 1, head_dim), o)
+    out, hidden = split_kv_attention_rotary(q, k, v, cos, sin, keys, values, mask, scaling, cache_position, lora_a)
+    return out.transpose(1, 2).reshape(batch, -1), hidden if lora_a is not None else None
+
+
 def _merge_shrinks(q: torch.Tensor, o: Projection) -> torch.Tensor | None:
     """The o projection's A matrix if its shrink is made in the attention's merge launch (`SHRINK_IN_MERGE`)."""
     if not SHRINK_IN_MERGE:
@@ -499,14 +526,18 @@ def decoder_layer(
     residual = delta.reshape(rows) if delta is not None else None
     x, h, hidden = normed_input(x.reshape(rows), layer.input_norm, layer.qkv, residual)
     q, k, v = project(h, layer.qkv, hidden)
-    q = q.view(batch, tokens, -1, spec.head_dim)
-    k = k.view(batch, tokens, -1, spec.head_dim)
-    if layer.q_norm is not None:
-        q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
-    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    cache_k.index_copy_(2, cache_position, k)
-    cache_v.index_copy_(2, cache_position, v.view(batch, tokens, -1, spec.head_dim).transpose(1, 2))
-    attended, hidden = attend(q, cache_k, cache_v, mask, spec.scaling, cache_position, split_kv, layer.o)
+    if split_kv and tokens == 1 and _rotary_in_attention(layer, q, k, v, cos, cache_k):
+        attended, hidden = _attend_unrotated(q, k, v, cos, sin, cache_k, cache_v, mask, spec.scaling, cache_position,
+                                             layer.o)  # fmt: skip
+    else:
+        q = q.view(batch, tokens, -1, spec.head_dim)
+        k = k.view(batch, tokens, -1, spec.head_dim)
+        if layer.q_norm is not None:
+            q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
+        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        cache_k.index_copy_(2, cache_position, k)
+        cache_v.index_copy_(2, cache_position, v.view(batch, tokens, -1, spec.head_dim).transpose(1, 2))
+        attended, hidden = attend(q, cache_k, cache_v, mask, spec.scaling, cache_position, split_kv, layer.o)
     o = project(attended, (layer.o,), hidden)[0]
     x, h, hidden = normed_input(x, layer.post_attention_norm, layer.gate_up, o)
     gate, up = project(h, layer.gate_up, hidden)
