@@ -223,7 +223,9 @@ def test_fused_decoder_with_split_kv_decodes_as_with_sdpa(monkeypatch):
     from trl_qerl.rollout import fused_decode
 
     calls = []
-    monkeypatch.setattr(fused_decode, "split_kv_attention", lambda *args: calls.append(1) or split_kv_attention(*args))
+    for name in ("split_kv_attention", "split_kv_attention_rotary"):  # (the second with `ROTARY_IN_ATTENTION`)
+        original = getattr(fused_decode, name)
+        monkeypatch.setattr(fused_decode, name, lambda *args, _o=original: calls.append(1) or _o(*args))
     model = tiny_nvfp4_lora_model(torch.float32, DEVICE)
     prompts, params = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10, 11]], SamplingParams(12, temperature=0)
     runs = {
