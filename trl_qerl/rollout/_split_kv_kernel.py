@@ -191,11 +191,11 @@ def _merge_shrink_kernel(
         a = tl.load(a_ptr + ranks[:, None, None] * stride_a + columns[None], mask=real, other=0.0)
         tl.store(partial_ptr + (row * programs + program) * RANK + ranks, tl.sum(tl.sum(a * out[None], 2), 1))
     if last_to_arrive(count_ptr, row, programs):
-        ranks = tl.arange(0, RANK)
+        every_rank = tl.arange(0, RANK)
         total = tl.zeros([RANK], dtype=tl.float32)
         for other in range(programs):
-            total += tl.load(partial_ptr + (row * programs + other) * RANK + ranks, cache_modifier=".cg")
-        tl.store(hidden_ptr + row * stride_hb + ranks, total)
+            total += tl.load(partial_ptr + (row * programs + other) * RANK + every_rank, cache_modifier=".cg")
+        tl.store(hidden_ptr + row * stride_hb + every_rank, total)
         reset_arrivals(count_ptr, row)
 
 

@@ -166,7 +166,7 @@ ROTARY_IN_ATTENTION = True
 """Where decode attention runs split over the cache and the layer has no q/k norms, rotate q and k and write this
 step's key and value into the cache in the attention's partials launch (`split_kv_attention_rotary`), instead of a
 kernel of their own per layer (compiled, inductor's rotary with the cache writes, ~1.35 µs per 7B layer on an H100).
-The same roundings as the eager ops: the same bits. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s
+bf16 only, with the roundings of the eager ops: the same bits. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s
 ``+rotary_apart`` engines)."""
 
 
