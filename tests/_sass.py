@@ -52,9 +52,27 @@ def rollout_argument_types(model: str) -> dict[str, str]:
     softmax partials, norm weights, LoRA A matrices, shrink sums and their scratch; every other argument is an int32
     size or stride."""
     return {
-        **dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr"], f"*{model}"),
+        **dict.fromkeys(
+            ["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr", "new_k_ptr", "new_v_ptr", "cos_ptr", "sin_ptr"],
+            f"*{model}",
+        ),  # fmt: skip
         **dict.fromkeys(["x_ptr", "res_ptr", "s_ptr", "h_ptr", "gate_ptr", "up_ptr", "y_ptr"], f"*{model}"),
-        **dict.fromkeys(["acc_ptr", "max_ptr", "sum_ptr", "w_ptr", "a0", "a1", "a2", "t_ptr", "partial_ptr"], "*fp32"),
+        **dict.fromkeys(
+            [
+                "acc_ptr",
+                "max_ptr",
+                "sum_ptr",
+                "w_ptr",
+                "a0",
+                "a1",
+                "a2",
+                "t_ptr",
+                "partial_ptr",
+                "a_ptr",
+                "hidden_ptr",
+            ],
+            "*fp32",
+        ),  # fmt: skip
         "position_ptr": "*i64",
         "count_ptr": "*i32",
         "scaling": "fp32",
