@@ -119,7 +119,6 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+alt_choices": dict(engine="auto"),
            "default+own_choices": dict(engine="auto"),
            "default+eager_ends": dict(engine="auto"),
-           "default+o_shrink_apart": dict(engine="auto"),
            "default+rotary_apart": dict(engine="auto"),
            "default+shrink_settings": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
@@ -167,7 +166,7 @@ named engines; captured states keep their order; the generator's default since 2
 (`_lora_rows_kernel.GROUP_SPLITS` `GROUP_SUMS` while that engine captures and runs); the other named engines sum in one
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
-``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+o_shrink_apart``, ``+rotary_apart``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
+``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_apart``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
 the named engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the
 chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines time their
 keys themselves. Compare them with ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
@@ -182,7 +181,6 @@ OWN_CHOICE_ENGINES = {
     "+tile_spread": (cuda_mma, {"TILE_SPREAD_CANDIDATES": True}),
     "+spread_64": (cuda_wgmma, {"SPREAD_MAX_ROWS": 64}),
     "+eager_ends": (fused_decode, {"COMPILE_ENDS": False}),
-    "+o_shrink_apart": (fused_decode, {"SHRINK_IN_MERGE": False}),
     "+rotary_apart": (fused_decode, {"ROTARY_IN_ATTENTION": False}),
     "+own_choices": (kernels, {}),
 }
@@ -190,8 +188,7 @@ OWN_CHOICE_ENGINES = {
 candidates (the candidates before 2026-12-06), with the wgmma kernel a candidate from the 32-row bucket, with the
 tiled kernel's spread candidates (`cuda_mma.TILE_SPREAD_CANDIDATES`), with the wgmma kernel's spread candidates only up to
 64 rows (`cuda_wgmma.SPREAD_MAX_ROWS` before 2026-12-06; ``+spread_128`` measured 128, now the default), with the decode step's ends and sampling eager (`fused_decode.COMPILE_ENDS` False, as before 2026-12-06; it
-changes no kernel choice), with the o projection's LoRA shrink made apart from the attention's merge
-(`fused_decode.SHRINK_IN_MERGE` False, as before 2026-12-06; no kernel choice either), with the rotary embedding
+changes no kernel choice), with the rotary embedding
 and the cache writes apart from the attention (`fused_decode.ROTARY_IN_ATTENTION` False, as before 2026-12-06; no
 kernel choice either), and none (the control)."""
 
@@ -234,8 +231,8 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     for the other named ones (the same), ``fast.LANE_ORDER`` True for the ``+lane_order`` ones and False for the other
     named ones (read when a decode state is captured), the row shrink's ``GROUP_SPLITS`` `GROUP_SUMS` for the
     ``+group_sums`` ones and 0 for the other named ones (read at each launch: captured graphs keep it),
-    ``fused_decode.SHRINK_IN_MERGE`` and ``ROTARY_IN_ATTENTION`` False for the named ones (read when a layer
-    compiles); ``default`` keeps the generator's settings; else unchanged."""
+    ``fused_decode.ROTARY_IN_ATTENTION`` False for the named ones (read when a layer compiles); ``default`` keeps the
+    generator's settings; else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import _lora_rows_kernel as row_shrink
     from trl_qerl.rollout import decode_attention
@@ -261,8 +258,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     row_kernels = fused_decode.LORA_ROW_KERNELS
     fused_decode.LORA_ROW_KERNELS = row_kernels and not engine.endswith("+lora_cublas")
     beside, beside_rows = fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS
-    group_splits, shrink_in_merge = row_shrink.GROUP_SPLITS, fused_decode.SHRINK_IN_MERGE
-    rotary_in_attention = fused_decode.ROTARY_IN_ATTENTION
+    group_splits, rotary_in_attention = row_shrink.GROUP_SPLITS, fused_decode.ROTARY_IN_ATTENTION
     on_defaults = engine.split("+")[0] == "default"  # ``default`` and its own-choice variants
     if not on_defaults:  # named engines measure what they measured before these became defaults
         switches = engine.split("+")
@@ -270,7 +266,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.LORA_SHRINK_BESIDE = all_rows or "shrink_beside" in switches
         fused_decode.LORA_BESIDE_MIN_ROWS = 1 if all_rows else fused_decode.LORA_REDUCTION_ROWS + 1
         row_shrink.GROUP_SPLITS = GROUP_SUMS if "group_sums" in switches else 0
-        fused_decode.SHRINK_IN_MERGE = fused_decode.ROTARY_IN_ATTENTION = False
+        fused_decode.ROTARY_IN_ATTENTION = False
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     lane_order = fast.LANE_ORDER
@@ -292,8 +288,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm
         fused_decode.LORA_ROW_KERNELS = row_kernels
         fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS = beside, beside_rows
-        row_shrink.GROUP_SPLITS, fused_decode.SHRINK_IN_MERGE = group_splits, shrink_in_merge
-        fused_decode.ROTARY_IN_ATTENTION = rotary_in_attention
+        row_shrink.GROUP_SPLITS, fused_decode.ROTARY_IN_ATTENTION = group_splits, rotary_in_attention
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
         if alternative or own is not None:
             kernels.CHOOSER.choices.clear()

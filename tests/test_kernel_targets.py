@@ -81,7 +81,7 @@ def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
     """label -> spec of the fused decode step's Triton kernels at 7B decode shapes, in the widest 16-bit dtype
     ``capability`` multiplies in (bf16 from sm_80, else fp16): the norm shrink in one step and in two passes, the
     SiLU·up shrink over 8 rows in split spans, the split-KV partials (merging in the launch or not; rotating q and k
-    and writing the cache) and merge (with the o projection's shrink or not)."""
+    and writing the cache) and merge."""
     from _sass import rollout_argument_types, triton_signature
 
     from trl_qerl.rollout import _fused_shrink_kernel as shrink
@@ -120,9 +120,6 @@ def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
         label = "split-KV partials" + (" + merge" if merge else "") + (" + rotary" if rotary else "")
         specs[f"{label} {t}"] = rollout("split_kv._partials_kernel", constexprs, attention.PARTIALS_WARPS)
     specs[f"split-KV merge {t}"] = rollout("split_kv._merge_kernel", {**shape, "CHUNK": 2 * block, **merge_tiles}, 4)
-    specs[f"split-KV merge + o shrink {t}"] = rollout(
-        "split_kv._merge_shrink_kernel", {**shape, "CHUNK": 2 * block, **merge_tiles, "RANK": 32, "RANK_BLOCK": 8}, 4
-    )
     return specs
 
 

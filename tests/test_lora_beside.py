@@ -339,21 +339,16 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
     with engine_environment("default+eager_ends"):
         assert defaults() == shipped and not fused_decode.COMPILE_ENDS
     assert fused_decode.COMPILE_ENDS == compile_ends
-    shrink_in_merge = fused_decode.SHRINK_IN_MERGE
-    with engine_environment("default+o_shrink_apart"):
-        assert not fused_decode.SHRINK_IN_MERGE
-    assert fused_decode.SHRINK_IN_MERGE == shrink_in_merge
     rotary_in_attention = fused_decode.ROTARY_IN_ATTENTION
     with engine_environment("default+rotary_apart"):
-        assert not fused_decode.ROTARY_IN_ATTENTION and fused_decode.SHRINK_IN_MERGE == shrink_in_merge
+        assert defaults() == shipped and not fused_decode.ROTARY_IN_ATTENTION
     assert fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
         assert defaults() == shipped
     assert kernels.CHOOSER.choices == before
     with engine_environment("fused+compile+split_kv+twiddle"):  # a named engine: the settings it was measured with
-        assert not fused_decode.LORA_SHRINK_BESIDE and not fast.LANE_ORDER and not fused_decode.SHRINK_IN_MERGE
-        assert not fused_decode.ROTARY_IN_ATTENTION
+        assert not fused_decode.LORA_SHRINK_BESIDE and not fast.LANE_ORDER and not fused_decode.ROTARY_IN_ATTENTION
 
 
 def test_small_steps_take_it_in_place_of_the_norm_shrinks_when_asked(monkeypatch):

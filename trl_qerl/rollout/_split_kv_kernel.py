@@ -47,19 +47,18 @@ def _partials_kernel(
     k_base = k_ptr + row * stride_kb + kv_head * stride_kh
     v_base = v_ptr + row * stride_vb + kv_head * stride_vh
     q_offsets = row * stride_qb + (kv_head * GROUP + heads)[:, None] * stride_qh
-    if ROTARY:  # q, k before rotary: rotate them here, and the chunk holding `last` writes k and v into the cache
+    if ROTARY:  # q, k before rotary: rotate them here; the chunk holding `last` writes k and v into the cache
         cos = tl.load(cos_ptr + row * stride_cos + dims).to(tl.float32)
         sin = tl.load(sin_ptr + row * stride_sin + dims).to(tl.float32)
         q = _rotated(q_ptr, q_offsets, dims[None, :], cos[None, :], sin[None, :], (heads < GROUP)[:, None], HEAD_DIM,
                      IO).to(DOT_DTYPE)  # fmt: skip
-        if (last >= start) & (last < start + CHUNK):
-            new_k = _rotated(new_k_ptr, row * stride_nk + kv_head * HEAD_DIM, dims, cos, sin, dims < HEAD_DIM,
-                             HEAD_DIM, IO)  # fmt: skip
-            tl.store(k_base + last * stride_kl + dims, new_k.to(k_ptr.dtype.element_ty))
-            tl.store(
-                v_base + last * stride_vl + dims, tl.load(new_v_ptr + row * stride_nv + kv_head * HEAD_DIM + dims)
-            )
-            tl.debug_barrier()  # the loop below reads them back (other threads of this program)
+        new_k = _rotated(new_k_ptr, row * stride_nk + kv_head * HEAD_DIM, dims, cos, sin, dims < HEAD_DIM, HEAD_DIM,
+                         IO).to(k_ptr.dtype.element_ty)  # fmt: skip
+        new_v = tl.load(new_v_ptr + row * stride_nv + kv_head * HEAD_DIM + dims)
+        written = dims * 0 + last  # (a vector: the stores' mask)
+        holds_last = (written >= start) & (written < start + CHUNK)
+        tl.store(k_base + last * stride_kl + dims, new_k, mask=holds_last)
+        tl.store(v_base + last * stride_vl + dims, new_v, mask=holds_last)
     else:
         q = tl.load(q_ptr + q_offsets + dims[None, :], mask=(heads < GROUP)[:, None], other=0.0).to(DOT_DTYPE)
     end = tl.minimum(tl.minimum(start + CHUNK, last + 1), cache_len)
@@ -70,6 +69,8 @@ def _partials_kernel(
         positions = offset + tl.arange(0, BLOCK)
         inside = positions < end
         keys = tl.load(k_base + positions[:, None] * stride_kl + dims[None, :], mask=inside[:, None], other=0.0)
+        if ROTARY:  # this step's key and value from registers: the store above need not be visible to the load
+            keys = tl.where((positions == last)[:, None], new_k[None, :], keys)
         scores = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scaling
         additive = tl.load(mask_ptr + row * stride_mb + positions, mask=inside, other=0.0).to(tl.float32)
         scores = tl.where(inside[None, :], scores + additive[None, :], float("-inf"))
@@ -78,6 +79,8 @@ def _partials_kernel(
         probs = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, 1)
         values = tl.load(v_base + positions[:, None] * stride_vl + dims[None, :], mask=inside[:, None], other=0.0)
+        if ROTARY:
+            values = tl.where((positions == last)[:, None], new_v[None, :], values)
         acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), values.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         running_max = new_max
     out = (row_head * SPLITS + split) * GROUP
@@ -151,52 +154,11 @@ def _merge_row_head(
         chunk = tl.load(acc_ptr + offsets[:, :, None] * HEAD_DIM + dims[None, None, :], mask=inside[:, :, None],
                         other=0.0, cache_modifier=LOAD)  # fmt: skip
         numerator += tl.sum(weight[:, :, None] * chunk, 0)
-    out = (numerator / tl.where(real, denominator, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+    out = numerator / tl.where(real, denominator, 1.0)[:, None]
     tl.store(
-        out_ptr + row * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh + dims[None, :], out,
-        mask=real[:, None],
+        out_ptr + row * stride_ob + (kv_head * GROUP + heads)[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=real[:, None],
     )  # fmt: skip
-    return out
-
-
-@triton.jit
-def _merge_shrink_kernel(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, position_ptr, a_ptr, partial_ptr, hidden_ptr, count_ptr,
-    stride_ob, stride_oh, stride_a, stride_hb,
-    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr, MIN_STAT: tl.constexpr, RANK: tl.constexpr, RANK_BLOCK: tl.constexpr,
-):  # fmt: skip
-    """`_merge_kernel`, and the o projection's LoRA shrink ``out_row @ A.T`` (fp32) from the rounded output: each
-    program's slice of the row times the same columns of ``A``, left in scratch; the row's last program to arrive
-    adds the slices in program order (the same sum on every launch) into ``hidden[row]``."""
-    row_head = tl.program_id(0)
-    row = row_head // KV_HEADS
-    kv_head = row_head % KV_HEADS
-    dim_start = tl.program_id(1) * DIM_BLOCK
-    if CHUNK > 0:
-        used = _chunks_used(tl.load(position_ptr), CHUNK, SPLITS)
-    else:
-        used = SPLITS
-    out = _merge_row_head(acc_ptr, max_ptr, sum_ptr, out_ptr, row_head, used, dim_start, stride_ob, stride_oh,
-                          KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM, DIM_BLOCK, SPLITS, SPLITS_PAD, SPLIT_BLOCK, MIN_STAT,
-                          "").to(tl.float32)  # fmt: skip
-    heads = tl.arange(0, GROUP_PAD)
-    columns = (kv_head * GROUP + heads)[:, None] * HEAD_DIM + dim_start + tl.arange(0, DIM_BLOCK)[None, :]
-    real = (heads < GROUP)[None, :, None]
-    programs: tl.constexpr = KV_HEADS * (HEAD_DIM // DIM_BLOCK)
-    program = kv_head * (HEAD_DIM // DIM_BLOCK) + tl.program_id(1)
-    for rank_start in tl.static_range(0, RANK, RANK_BLOCK):
-        ranks = rank_start + tl.arange(0, RANK_BLOCK)
-        a = tl.load(a_ptr + ranks[:, None, None] * stride_a + columns[None], mask=real, other=0.0)
-        tl.store(partial_ptr + (row * programs + program) * RANK + ranks, tl.sum(tl.sum(a * out[None], 2), 1))
-    if last_to_arrive(count_ptr, row, programs):
-        every_rank = tl.arange(0, RANK)
-        total = tl.zeros([RANK], dtype=tl.float32)
-        for other in range(programs):
-            total += tl.load(partial_ptr + (row * programs + other) * RANK + every_rank, cache_modifier=".cg")
-        tl.store(hidden_ptr + row * stride_hb + every_rank, total)
-        reset_arrivals(count_ptr, row)
 
 
 def merge(acc, maxima, sums, out, min_stat: float, cache_position=None, chunk: int = 0, dim_block: int = 0,
@@ -213,34 +175,6 @@ def merge(acc, maxima, sums, out, min_stat: float, cache_position=None, chunk: i
         KV_HEADS=heads // group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         CHUNK=chunk if bounded else 0, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM_BLOCK=dim_block,
         SPLIT_BLOCK=split_block, MIN_STAT=min_stat,
-    )  # fmt: skip
-
-
-SHRINK_TILE = 4096
-"""Elements of ``A`` a merge-and-shrink program holds per step (``RANK_BLOCK x GROUP_PAD x DIM_BLOCK``): 32 registers
-per thread at 4 warps."""
-
-
-def merge_shrink(acc, maxima, sums, out, lora_a, hidden, min_stat: float, cache_position=None, chunk: int = 0,
-                 dim_block: int = 0, split_block: int = 1) -> None:  # fmt: skip
-    """`merge`, and ``hidden[B, r] = out.reshape(B, -1) @ lora_a.T`` (fp32, from the rounded ``out``) in the same
-    launch. ``lora_a``: fp32 ``[r, H * D]``, contiguous, ``r`` a power of two."""
-    row_heads, splits, group, head_dim = acc.shape
-    batch, heads = out.shape[0], out.shape[1]
-    rank = lora_a.shape[0]
-    bounded = cache_position is not None and chunk > 0
-    dim_block, split_block = merge_tiles(head_dim, dim_block, split_block)
-    group_pad = max(16, triton.next_power_of_2(group))
-    programs = row_heads * (head_dim // dim_block)
-    partials = torch.empty(programs * rank, dtype=torch.float32, device=out.device)
-    counters = arrival_counters(out.device, batch)
-    _merge_shrink_kernel[(row_heads, head_dim // dim_block)](
-        acc, maxima, sums, out, cache_position if bounded else acc, lora_a, partials, hidden, counters,
-        out.stride(0), out.stride(1), lora_a.stride(0), hidden.stride(0),
-        KV_HEADS=heads // group, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        CHUNK=chunk if bounded else 0, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM_BLOCK=dim_block,
-        SPLIT_BLOCK=split_block, MIN_STAT=min_stat, RANK=rank,
-        RANK_BLOCK=max(1, min(rank, SHRINK_TILE // (group_pad * dim_block))),
     )  # fmt: skip
 
 

@@ -28,15 +28,12 @@ __all__ = [
     "chunk_size",
     "combine_partials",
     "launch_merge",
-    "launch_merge_shrink",
     "launch_partials",
     "partials_reference",
     "rotary_in_attention_applies",
-    "shrink_in_merge_applies",
     "split_kv_applies",
     "split_kv_attention",
     "split_kv_attention_rotary",
-    "split_kv_attention_shrink",
     "split_kv_partials",
     "triton_available",
 ]
@@ -136,33 +133,6 @@ def launch_merge(acc, maxima, sums, out, cache_position: torch.Tensor | None = N
           dim_block=MERGE_DIM_BLOCK, split_block=MERGE_SPLITS)  # fmt: skip
 
 
-def launch_merge_shrink(acc, maxima, sums, out, lora_a, hidden, cache_position: torch.Tensor | None = None,
-                        cache_len: int = 0) -> None:  # fmt: skip
-    """`launch_merge`, and in the same launch ``hidden[B, r] = out.reshape(B, -1) @ lora_a.T`` in fp32 from the
-    rounded output (the o projection's LoRA shrink; ``lora_a`` fp32 ``[r, H * D]``, ``r`` a power of two)."""
-    from ._split_kv_kernel import chunk_of, merge_shrink
-
-    chunk = chunk_of(cache_len, acc.shape[1], BLOCK) if cache_position is not None and cache_len > 0 else 0
-    merge_shrink(acc, maxima, sums, out, lora_a, hidden, min_stat=MIN_STAT, cache_position=cache_position,
-                 chunk=chunk, dim_block=MERGE_DIM_BLOCK, split_block=MERGE_SPLITS)  # fmt: skip
-
-
-def shrink_in_merge_applies(q: torch.Tensor, lora_a: torch.Tensor) -> bool:
-    """Whether `split_kv_attention_shrink` takes this A matrix for ``q[B, H, 1, D]``: fp32, contiguous, ``[r, H *
-    D]`` with ``r`` a power of two, on ``q``'s device, and ``q`` 16-bit (the o projection's input)."""
-    rank = lora_a.shape[0]
-    return (
-        q.dtype in (torch.bfloat16, torch.float16)
-        and lora_a.dtype == torch.float32
-        and lora_a.dim() == 2
-        and lora_a.shape[1] == q.shape[1] * q.shape[-1]
-        and lora_a.is_contiguous()
-        and lora_a.device == q.device
-        and rank > 0
-        and rank & (rank - 1) == 0
-    )
-
-
 def triton_available() -> bool:
     """Whether Triton can be imported (it is optional: CPU-only environments may lack it)."""
     return importlib.util.find_spec("triton") is not None
@@ -227,26 +197,6 @@ def _(q, keys, values, mask, scaling, cache_position):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("trl_qerl::split_kv_attention_shrink", mutates_args=())
-def split_kv_attention_shrink(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
-    cache_position: torch.Tensor, lora_a: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`split_kv_attention` and the LoRA shrink of its output: ``(out, hidden)`` with ``hidden = out.transpose(1,
-    2).reshape(B, -1).float() @ lora_a.T`` made by the merge launch (`launch_merge_shrink`), where a compiled step
-    would otherwise launch a reduction of its own per layer. Callers check `shrink_in_merge_applies`."""
-    out = torch.empty_like(q)
-    hidden = q.new_empty(q.shape[0], lora_a.shape[0], dtype=torch.float32)
-    acc, maxima, sums = split_kv_partials(q, keys, values, mask, scaling, cache_position)
-    launch_merge_shrink(acc, maxima, sums, out, lora_a, hidden, cache_position, keys.shape[2])
-    return out, hidden
-
-
-@split_kv_attention_shrink.register_fake
-def _(q, keys, values, mask, scaling, cache_position, lora_a):
-    return torch.empty_like(q), q.new_empty(q.shape[0], lora_a.shape[0], dtype=torch.float32)
-
-
 def rotary_in_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                 keys: torch.Tensor) -> bool:  # fmt: skip
     """Whether `split_kv_attention_rotary` takes these: one token per row, ``q`` / ``k`` / ``v`` ``[B, width]`` rows
@@ -271,32 +221,24 @@ def rotary_in_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def split_kv_attention_rotary(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
     values: torch.Tensor, mask: torch.Tensor, scaling: float, cache_position: torch.Tensor,
-    lora_a: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> torch.Tensor:  # fmt: skip
     """One decode token's attention from the q/k/v projections' rows ``[B, H * D]`` / ``[B, KVH * D]``, before the
     rotary embedding: the partials launch rotates ``q`` and ``k`` (``cos`` / ``sin`` ``[B, 1, D]``, the eager
     roundings) and writes this step's key and value into ``keys`` / ``values`` at ``cache_position``, where the
-    compiled step would otherwise launch a kernel of its own for that. Returns ``(out[B, H, 1, D], hidden)``:
-    ``hidden`` the LoRA shrink of ``lora_a`` as `split_kv_attention_shrink` makes it, or ``[B, 0]`` without
-    ``lora_a``. Callers check `rotary_in_attention_applies` (and `shrink_in_merge_applies`)."""
+    compiled step would otherwise launch a kernel of its own for that; then the merge. Returns ``[B, H, 1, D]``.
+    Callers check `rotary_in_attention_applies`."""
     batch, head_dim = q.shape[0], keys.shape[3]
     out = q.new_empty(batch, q.shape[1] // head_dim, 1, head_dim)
     acc, maxima, sums = _partials_buffers(out, keys)
     rotary = (k, v, cos.reshape(batch, head_dim), sin.reshape(batch, head_dim))
     launch_partials(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, rotary=rotary)
-    hidden = q.new_empty(batch, lora_a.shape[0] if lora_a is not None else 0, dtype=torch.float32)
-    if lora_a is not None:
-        launch_merge_shrink(acc, maxima, sums, out, lora_a, hidden, cache_position, keys.shape[2])
-    else:
-        launch_merge(acc, maxima, sums, out, cache_position, keys.shape[2])
-    return out, hidden
+    launch_merge(acc, maxima, sums, out, cache_position, keys.shape[2])
+    return out
 
 
 @split_kv_attention_rotary.register_fake
-def _(q, k, v, cos, sin, keys, values, mask, scaling, cache_position, lora_a=None):
-    head_dim = keys.shape[3]
-    out = q.new_empty(q.shape[0], q.shape[1] // head_dim, 1, head_dim)
-    return out, q.new_empty(q.shape[0], lora_a.shape[0] if lora_a is not None else 0, dtype=torch.float32)
+def _(q, k, v, cos, sin, keys, values, mask, scaling, cache_position):
+    return q.new_empty(q.shape[0], q.shape[1] // keys.shape[3], 1, keys.shape[3])
 
 
 def combine_partials(acc: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:

@@ -37,11 +37,9 @@ from ..nvfp4.cuda_mma import LORA_RANKS
 from ..nvfp4.dispatch import kernels_for
 from .decode_attention import (
     rotary_in_attention_applies,
-    shrink_in_merge_applies,
     split_kv_applies,
     split_kv_attention,
     split_kv_attention_rotary,
-    split_kv_attention_shrink,
     triton_available,
 )
 from .decoder_spec import DecoderSpec, LayerSpec, NormSpec, Projection
@@ -74,7 +72,6 @@ __all__ = [
     "LORA_ROW_KERNELS",
     "LORA_SHRINK_BESIDE",
     "ROTARY_IN_ATTENTION",
-    "SHRINK_IN_MERGE",
     "FusedDecoder",
     "apply_rotary",
     "attention",
@@ -153,13 +150,6 @@ step, and no step-time change beyond the run-to-run spread up to 8 rows (batch 1
 Again with the SiLU·up shrink over every row (`_fused_shrink_kernel.ROWS_FROM`; eighth session, engines interleaved in
 one process): batch 8 3.97 / 4.00 ms against 4.07 / 4.09 with the per-row kernels, batch 16 with the fused shrinks
 5.40 / 5.42 against 5.33 / 5.34 with inductor's: the norms' per-row kernels still lose at 16 rows."""
-
-
-SHRINK_IN_MERGE = True
-"""Where `FUSED_SHRINK` would make the o projection's shrink and decode attention runs split over the cache
-(`decode_attention.split_kv_attention`), make it in the attention's merge launch (`split_kv_attention_shrink`), from
-the merged output it has just rounded, instead of a reduction of its own (compiled, inductor's, ~1.9 µs per 7B layer
-on an H100). ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s ``+o_shrink_apart`` engines)."""
 
 
 ROTARY_IN_ATTENTION = True
@@ -463,45 +453,8 @@ def attention(
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
 
 
-def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
-    cache_position: torch.Tensor, split_kv: bool, o: Projection,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """`attention`'s output as the o projection's input ``[B * T, H * D]``, and that projection's LoRA shrink where
-    the attention's merge launch makes it (`SHRINK_IN_MERGE`; else None: `project` makes it)."""
-    batch, _, tokens, _ = q.shape
-    lora_a = _merge_shrinks(q, o) if split_kv and tokens == 1 else None
-    if lora_a is not None:
-        out, hidden = split_kv_attention_shrink(q, keys, values, mask, scaling, cache_position, lora_a)
-        return out.transpose(1, 2).reshape(batch, -1), hidden
-    out = attention(q, keys, values, mask, scaling, cache_position, split_kv)
-    return out.transpose(1, 2).reshape(batch * tokens, -1), None
-
-
 def _rotary_in_attention(layer: LayerSpec, q, k, v, cos, cache_k) -> bool:
     return ROTARY_IN_ATTENTION and layer.q_norm is None and rotary_in_attention_applies(q, k, v, cos, cache_k)
-
-
-def _attend_unrotated(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-    values: torch.Tensor, mask: torch.Tensor, scaling: float, cache_position: torch.Tensor, o: Projection,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """`attend` for one decode token per row from the q/k/v projections' rows before the rotary embedding
-    (`ROTARY_IN_ATTENTION`): the attention launch rotates them and writes the cache."""
-    batch, head_dim = q.shape[0], keys.shape[3]
-    lora_a = _merge_shrinks(q.view(batch, -1, 1, head_dim), o)
-    out, hidden = split_kv_attention_rotary(q, k, v, cos, sin, keys, values, mask, scaling, cache_position, lora_a)
-    return out.transpose(1, 2).reshape(batch, -1), hidden if lora_a is not None else None
-
-
-def _merge_shrinks(q: torch.Tensor, o: Projection) -> torch.Tensor | None:
-    """The o projection's A matrix if its shrink is made in the attention's merge launch (`SHRINK_IN_MERGE`)."""
-    if not SHRINK_IN_MERGE:
-        return None
-    lora_a = _epilogue_shrinks(q.reshape(q.shape[0], -1), (o,))
-    if lora_a is None or len(lora_a) != 1 or not shrink_in_merge_applies(q, lora_a[0]):
-        return None
-    return lora_a[0]
 
 
 def decoder_layer(
@@ -527,8 +480,7 @@ def decoder_layer(
     x, h, hidden = normed_input(x.reshape(rows), layer.input_norm, layer.qkv, residual)
     q, k, v = project(h, layer.qkv, hidden)
     if split_kv and tokens == 1 and _rotary_in_attention(layer, q, k, v, cos, cache_k):
-        attended, hidden = _attend_unrotated(q, k, v, cos, sin, cache_k, cache_v, mask, spec.scaling, cache_position,
-                                             layer.o)  # fmt: skip
+        attended = split_kv_attention_rotary(q, k, v, cos, sin, cache_k, cache_v, mask, spec.scaling, cache_position)
     else:
         q = q.view(batch, tokens, -1, spec.head_dim)
         k = k.view(batch, tokens, -1, spec.head_dim)
@@ -537,8 +489,9 @@ def decoder_layer(
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         cache_k.index_copy_(2, cache_position, k)
         cache_v.index_copy_(2, cache_position, v.view(batch, tokens, -1, spec.head_dim).transpose(1, 2))
-        attended, hidden = attend(q, cache_k, cache_v, mask, spec.scaling, cache_position, split_kv, layer.o)
-    o = project(attended, (layer.o,), hidden)[0]
+        attended = attention(q, cache_k, cache_v, mask, spec.scaling, cache_position, split_kv)
+    attended = attended.transpose(1, 2).reshape(batch * tokens, -1)
+    o = project(attended, (layer.o,))[0]
     x, h, hidden = normed_input(x, layer.post_attention_norm, layer.gate_up, o)
     gate, up = project(h, layer.gate_up, hidden)
     activated, hidden = activated_input(gate, up, (layer.down,))
