@@ -340,8 +340,8 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
         assert defaults() == shipped and not fused_decode.COMPILE_ENDS
     assert fused_decode.COMPILE_ENDS == compile_ends
     rotary_in_attention = fused_decode.ROTARY_IN_ATTENTION
-    with engine_environment("default+rotary_apart"):
-        assert defaults() == shipped and not fused_decode.ROTARY_IN_ATTENTION
+    with engine_environment("default+rotary_in_attention"):
+        assert defaults() == shipped and fused_decode.ROTARY_IN_ATTENTION
     assert fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):

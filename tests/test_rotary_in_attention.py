@@ -126,9 +126,11 @@ def test_the_decode_step_samples_the_same_with_the_rotary_in_the_attention(monke
         assert torch.allclose(torch.tensor(our_logprobs[:3]), torch.tensor(their_logprobs[:3]), atol=0.05)
 
 
-def test_layers_with_q_and_k_norms_keep_the_rotary_apart():
+def test_layers_with_q_and_k_norms_keep_the_rotary_apart(monkeypatch):
     """Qwen3's q/k norms come between the projection and the rotary embedding: its layers take the path before."""
     from _tiny import tiny_model
+
+    monkeypatch.setattr(fused_decode, "ROTARY_IN_ATTENTION", True)
 
     from trl_qerl.rollout.decoder_spec import read_decoder
 
@@ -136,3 +138,5 @@ def test_layers_with_q_and_k_norms_keep_the_rotary_apart():
     q, k, v, cos, _, keys, *_ = _inputs(1, 4, 2, 64, 16, torch.bfloat16)
     assert not fused_decode._rotary_in_attention(qwen3, q, k, v, cos, keys)
     assert fused_decode._rotary_in_attention(qwen2, q, k, v, cos, keys)
+    monkeypatch.setattr(fused_decode, "ROTARY_IN_ATTENTION", False)
+    assert not fused_decode._rotary_in_attention(qwen2, q, k, v, cos, keys)

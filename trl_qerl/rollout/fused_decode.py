@@ -152,12 +152,16 @@ one process): batch 8 3.97 / 4.00 ms against 4.07 / 4.09 with the per-row kernel
 5.40 / 5.42 against 5.33 / 5.34 with inductor's: the norms' per-row kernels still lose at 16 rows."""
 
 
-ROTARY_IN_ATTENTION = True
-"""Where decode attention runs split over the cache and the layer has no q/k norms, rotate q and k and write this
-step's key and value into the cache in the attention's partials launch (`split_kv_attention_rotary`), instead of a
-kernel of their own per layer (compiled, inductor's rotary with the cache writes, ~1.35 µs per 7B layer on an H100).
-bf16 only, with the roundings of the eager ops: the same bits. ``False`` is kept for benchmarks (`scripts/bench_rollout.py`'s
-``+rotary_apart`` engines)."""
+ROTARY_IN_ATTENTION = False
+"""True: where decode attention runs split over the cache and the layer has no q/k norms (bf16), rotate q and k and
+write this step's key and value into the cache in the attention's partials launch (`split_kv_attention_rotary`, with
+the roundings of the eager ops: the same bits) instead of inductor's kernel for them (~1.35 µs per 7B layer on an
+H100). Off: measured no faster. On an H100 (7B, NVFP4 + LoRA r32 + AQN, 2026-12-06, BENCHMARKS.md) a first form, which
+read its own cache write back after a barrier, took 268 / 273 kernels per step at batch 1 / 8 instead of 296 / 329, but
+the partials kernel grew by what the rotary kernel had taken (batch 1: 4.9 against 3.5 µs per call), so kernel time
+stayed 2.93-2.94 ms at batch 1 and moved 3.50 -> 3.45-3.48 at batch 8, inside the spread of the wall step. The form
+here takes the step's key and value from registers instead; it has not run on a GPU yet (`scripts/bench_rollout.py`'s
+``default+rotary_in_attention`` engine measures it)."""
 
 
 ADD_IN_NEXT_NORM = True
