@@ -55,7 +55,7 @@ def test_the_partials_launch_rotates_and_writes_the_cache_as_the_eager_ops_do(sh
     inputs = _inputs(*shape, dtype=torch.bfloat16)
     q, k, v, cos, sin, keys, values, mask, position = inputs
     keys[:, :, int(position[0])] = values[:, :, int(position[0])] = float("nan")  # what the cache held there is lost
-    assert rotary_in_attention_applies(q, k, v, cos, keys)
+    assert rotary_in_attention_applies(q, k, v, cos, sin, keys)
     before = keys.clone(), values.clone()
     their_keys, their_values = keys.clone(), values.clone()
     expected = _reference(q, k, v, cos, sin, their_keys, their_values, mask, position, 0.3)
@@ -76,14 +76,15 @@ def test_the_op_passes_opcheck():
 
 def test_applies_only_to_what_the_kernel_reads():
     q, k, v, cos, sin, keys, *_ = _inputs(2, 4, 2, 64, 16, torch.bfloat16)
-    assert rotary_in_attention_applies(q, k, v, cos, keys)
-    assert not rotary_in_attention_applies(q, k, v, cos.float(), keys)  # cos in another dtype
-    half = [t.half() for t in (q, k, v, cos, keys)]
+    assert rotary_in_attention_applies(q, k, v, cos, sin, keys)
+    assert not rotary_in_attention_applies(q, k, v, cos.float(), sin, keys)  # cos in another dtype
+    half = [t.half() for t in (q, k, v, cos, sin, keys)]
     assert not rotary_in_attention_applies(*half)  # fp16 (and fp32): FMA contraction would change the bits
     assert not rotary_in_attention_applies(*[t.float() for t in half])
-    assert not rotary_in_attention_applies(q, k, v[:, :16], cos, keys)  # not the cache's key/value heads
-    assert not rotary_in_attention_applies(q, k, v, cos.expand(2, 3, 16), keys)  # more than one token
-    assert not rotary_in_attention_applies(q.T.contiguous().T, k, v, cos, keys)  # strided last dim
+    assert not rotary_in_attention_applies(q, k, v[:, :16], cos, sin, keys)  # not the cache's key/value heads
+    assert not rotary_in_attention_applies(q, k, v, cos.expand(2, 3, 16), sin, keys)  # more than one token
+    assert not rotary_in_attention_applies(q.T.contiguous().T, k, v, cos, sin, keys)  # strided last dim
+    assert not rotary_in_attention_applies(q, k, v, cos, torch.cat([sin, sin], -1)[..., ::2], keys)  # strided sin
 
 
 def test_a_compiled_graph_writes_the_cache_in_place_without_copying_it():
@@ -135,8 +136,8 @@ def test_layers_with_q_and_k_norms_keep_the_rotary_apart(monkeypatch):
     from trl_qerl.rollout.decoder_spec import read_decoder
 
     qwen3, qwen2 = (read_decoder(tiny_model(arch, dtype=torch.bfloat16)).layers[0] for arch in ("qwen3", "qwen2"))
-    q, k, v, cos, _, keys, *_ = _inputs(1, 4, 2, 64, 16, torch.bfloat16)
-    assert not fused_decode._rotary_in_attention(qwen3, q, k, v, cos, keys)
-    assert fused_decode._rotary_in_attention(qwen2, q, k, v, cos, keys)
+    q, k, v, cos, sin, keys, *_ = _inputs(1, 4, 2, 64, 16, torch.bfloat16)
+    assert not fused_decode._rotary_in_attention(qwen3, q, k, v, cos, sin, keys)
+    assert fused_decode._rotary_in_attention(qwen2, q, k, v, cos, sin, keys)
     monkeypatch.setattr(fused_decode, "ROTARY_IN_ATTENTION", False)
-    assert not fused_decode._rotary_in_attention(qwen2, q, k, v, cos, keys)
+    assert not fused_decode._rotary_in_attention(qwen2, q, k, v, cos, sin, keys)

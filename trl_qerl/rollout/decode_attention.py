@@ -198,10 +198,10 @@ def _(q, keys, values, mask, scaling, cache_position):
 
 
 def rotary_in_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                                keys: torch.Tensor) -> bool:  # fmt: skip
+                                sin: torch.Tensor, keys: torch.Tensor) -> bool:  # fmt: skip
     """Whether `split_kv_attention_rotary` takes these: one token per row, ``q`` / ``k`` / ``v`` ``[B, width]`` rows
-    with contiguous last dims (the fused q/k/v output's views), ``cos`` ``[B, 1, D]`` in their dtype with a
-    contiguous last dim, a cache ``[B, KVH, L, D]`` of that dtype, all bf16. (fp16 and fp32 are refused: there the
+    with contiguous last dims (the fused q/k/v output's views), ``cos`` / ``sin`` ``[B, 1, D]`` in their dtype with
+    contiguous last dims, a cache ``[B, KVH, L, D]`` of that dtype, all bf16. (fp16 and fp32 are refused: there the
     GPU compiler contracts the rotary's products and sum into FMAs, so its bits differ from the eager ops'; on an
     H100, 2026-12-06. The bf16 rounding goes through integer ops, which nothing contracts.)"""
     batch, kv_heads, _, head_dim = keys.shape
@@ -211,9 +211,9 @@ def rotary_in_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         and q.shape[1] % head_dim == 0
         and k.shape[1] == v.shape[1] == kv_heads * head_dim
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        and cos.shape == (batch, 1, head_dim)
-        and cos.stride(-1) == 1
-        and q.dtype == k.dtype == v.dtype == cos.dtype == keys.dtype == torch.bfloat16
+        and cos.shape == sin.shape == (batch, 1, head_dim)
+        and cos.stride(-1) == sin.stride(-1) == 1
+        and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype == keys.dtype == torch.bfloat16
     )
 
 

@@ -457,8 +457,8 @@ def attention(
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
 
 
-def _rotary_in_attention(layer: LayerSpec, q, k, v, cos, cache_k) -> bool:
-    return ROTARY_IN_ATTENTION and layer.q_norm is None and rotary_in_attention_applies(q, k, v, cos, cache_k)
+def _rotary_in_attention(layer: LayerSpec, q, k, v, cos, sin, cache_k) -> bool:
+    return ROTARY_IN_ATTENTION and layer.q_norm is None and rotary_in_attention_applies(q, k, v, cos, sin, cache_k)
 
 
 def decoder_layer(
@@ -483,7 +483,7 @@ def decoder_layer(
     residual = delta.reshape(rows) if delta is not None else None
     x, h, hidden = normed_input(x.reshape(rows), layer.input_norm, layer.qkv, residual)
     q, k, v = project(h, layer.qkv, hidden)
-    if split_kv and tokens == 1 and _rotary_in_attention(layer, q, k, v, cos, cache_k):
+    if split_kv and tokens == 1 and _rotary_in_attention(layer, q, k, v, cos, sin, cache_k):
         attended = split_kv_attention_rotary(q, k, v, cos, sin, cache_k, cache_v, mask, spec.scaling, cache_position)
     else:
         q = q.view(batch, tokens, -1, spec.head_dim)
