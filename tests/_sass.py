@@ -57,22 +57,7 @@ def rollout_argument_types(model: str) -> dict[str, str]:
             f"*{model}",
         ),  # fmt: skip
         **dict.fromkeys(["x_ptr", "res_ptr", "s_ptr", "h_ptr", "gate_ptr", "up_ptr", "y_ptr"], f"*{model}"),
-        **dict.fromkeys(
-            [
-                "acc_ptr",
-                "max_ptr",
-                "sum_ptr",
-                "w_ptr",
-                "a0",
-                "a1",
-                "a2",
-                "t_ptr",
-                "partial_ptr",
-                "a_ptr",
-                "hidden_ptr",
-            ],
-            "*fp32",
-        ),  # fmt: skip
+        **dict.fromkeys(["acc_ptr", "max_ptr", "sum_ptr", "w_ptr", "a0", "a1", "a2", "t_ptr", "partial_ptr"], "*fp32"),
         "position_ptr": "*i64",
         "count_ptr": "*i32",
         "scaling": "fp32",

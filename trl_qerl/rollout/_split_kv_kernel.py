@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ..nvfp4.cuda_mma import arrival_counters
 from ._arrival_kernel import last_to_arrive, reset_arrivals
-from ._fused_shrink_kernel import _round
+from ._fused_shrink_kernel import _DTYPES, _round
 
 
 @triton.jit
@@ -207,7 +207,7 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
     kv_heads, cache_len = keys.shape[1], keys.shape[2]
     splits = acc.shape[1]
     chunk = chunk_of(cache_len, splits, block)
-    q3 = q.reshape(batch, heads, head_dim) if rotary is None else q.view(batch, heads, head_dim)
+    q3 = q.reshape(batch, heads, head_dim)  # from [B, H, 1, D], or from [B, H * D] rows before rotary
     new_k, new_v, cos, sin = rotary if rotary is not None else (q3, q3, q3, q3)
     mask2 = mask.reshape(batch, cache_len)
     group = heads // kv_heads
@@ -229,11 +229,8 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
         CHUNK=chunk, BLOCK=block, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MIN_STAT=min_stat, MERGE=merged, MERGE_DIM_BLOCK=dim_block, MERGE_SPLIT_BLOCK=split_block,
-        ROTARY=rotary is not None, IO=_IO_DTYPES[q.dtype], num_warps=num_warps,
+        ROTARY=rotary is not None, IO=_DTYPES.get(q.dtype, tl.float32), num_warps=num_warps,
     )  # fmt: skip
-
-
-_IO_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _dot_dtype(dtype: torch.dtype):
