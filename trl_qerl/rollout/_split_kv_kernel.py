@@ -229,8 +229,11 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
         CHUNK=chunk, BLOCK=block, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MIN_STAT=min_stat, MERGE=merged, MERGE_DIM_BLOCK=dim_block, MERGE_SPLIT_BLOCK=split_block,
-        ROTARY=rotary is not None, IO=_DTYPES.get(q.dtype, tl.float32), num_warps=num_warps,
+        ROTARY=rotary is not None, IO=_IO_DTYPES[q.dtype], num_warps=num_warps,
     )  # fmt: skip
+
+
+_IO_DTYPES = {**_DTYPES, torch.float32: tl.float32}  # a strict lookup: another dtype is a KeyError, not fp32 reads
 
 
 def _dot_dtype(dtype: torch.dtype):
