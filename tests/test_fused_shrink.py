@@ -74,17 +74,23 @@ def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, s
 
 
 NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0),
-                "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192)}  # fmt: skip
+                "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192),
+                "exact_parts": dict(NORM_EXACT_PARTS=1, NORM_MIN_PART=8),
+                "exact_parts_wide_blocks": dict(NORM_EXACT_PARTS=1, NORM_TARGET_PROGRAMS=1)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "shape", [(3, 1100), (6, 300), (2, 5120), (2, 9000)], ids=["3x1100", "6x300", "2x5120", "2x9000"]
+    "shape",
+    [(3, 1100), (6, 300), (2, 5120), (2, 9000), (3, 1792)],
+    ids=["3x1100", "6x300", "2x5120", "2x9000", "3x1792"],
 )
 @pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
     """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's),
-    the row in two passes (rows wider than a step always take those), and the steps of 4,096 columns of before (a 14B
-    row in two passes)."""
+    the row in two passes (rows wider than a step always take those), the steps of 4,096 columns of before (a 14B
+    row in two passes), and the one-step row held as its powers of two (1,100 = 1,024 + 64 + 8 + 4 stays padded;
+    300 = 256 + 32 + 8 + 4 too; 5,120 in two parts and 1,792 = 1,024 + 512 + 256 in three), with the widest rank
+    blocks."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     for name, value in NORM_LAYOUTS[layout].items():
@@ -136,6 +142,21 @@ def test_split_rows_leave_their_counters_at_zero_for_the_next_launch():
         kernel.silu_mul_shrink(gate, up, lora_a, y, t)
         _assert_shrink(t, y, lora_a)
         assert int(arrival_counters(gate.device, 1).abs().sum()) == 0
+
+
+def test_norm_parts_are_exact_powers_of_two_or_the_padded_block(monkeypatch):
+    from trl_qerl.rollout import _fused_shrink_kernel as kernel
+
+    monkeypatch.setattr(kernel, "NORM_EXACT_PARTS", 1)
+    assert kernel.norm_parts(3584, 4096) == (2048, 1024, 512)  # 7B
+    assert kernel.norm_parts(5120, 8192) == (4096, 1024)  # 14B, 32B
+    assert kernel.norm_parts(8192, 8192) == (8192,)  # 72B: one power of two
+    assert kernel.norm_parts(896, 1024) == (512, 256, 128)  # 0.5B
+    assert kernel.norm_parts(1100, 2048) == (2048,)  # four powers of two: padded
+    assert kernel.norm_parts(9000, 8192) == (8192,)  # wider than a step: two passes of padded steps
+    assert kernel.norm_parts(5120 + 64, 8192) == (8192,)  # a part under NORM_MIN_PART
+    monkeypatch.setattr(kernel, "NORM_EXACT_PARTS", 0)
+    assert kernel.norm_parts(3584, 4096) == (4096,)
 
 
 def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
@@ -213,11 +234,14 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
-    first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2)."""
+    first, at 1 to 8 rows per program, with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2), and
+    with a 14B or 7B row in its exact parts (`NORM_EXACT_PARTS`), which take fewer registers than the padded block:
+    what the layout is for (one program per multiprocessor at 14B padded)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
-    assert len(resources) == 9
+    assert len(resources) == 11
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
+    assert resources["norm 14B exact parts, rank block 2"]["REG"] < resources["norm 14B row, rank block 2"]["REG"]
 
 
 def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
@@ -243,16 +267,22 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
         results[f"silu {rows} {splits}"] = resources_of(compiled.asm["cubin"], folder)
     for rows, block in ((1, 2), (2, 2), (4, 1), (8, 1)):  # the widest A tile `rank_block` gives at 7B width
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=K.block_k(3584),
-                          ROWS=rows, ONE_STEP=True)  # fmt: skip
+                          ROWS=rows, ONE_STEP=True, PARTS=1, PART1=1, PART2=1)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
     for name, width in (("14B", 5120), ("72B", 8192)):  # one step of `NORM_MAX_BLOCK_K`, the widest A tile
         columns = K.block_k(width, K.NORM_MAX_BLOCK_K)
         block = K.rank_block(8, [32] * 3, columns, K.NORM_TILE)
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=columns, ROWS=1,
-                          ONE_STEP=True)  # fmt: skip
+                          ONE_STEP=True, PARTS=1, PART1=1, PART2=1)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
         results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
+    for name, parts, block in (("14B", (4096, 1024), 2), ("7B", (2048, 1024, 512), 4)):
+        constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=parts[0], ROWS=1,
+                          ONE_STEP=True, PARTS=len(parts), PART1=parts[1], PART2=(*parts, 1)[2])  # fmt: skip
+        warps = K._warps(K.block_k(sum(parts), K.NORM_MAX_BLOCK_K), K.NORM_MAX_WARPS)
+        compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, warps)
+        results[f"norm {name} exact parts, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
     return results
 
 
