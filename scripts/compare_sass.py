@@ -161,7 +161,7 @@ def _fused_shrink_builds(module, folder: Path) -> dict[str, tuple[list[str], dic
     import triton.language as tl
 
     builds = {}
-    norm = dict(HAS_RESIDUAL=True, OUT=tl.bfloat16, BLOCK_R=2, BLOCK_K=module.block_k(3584), PARTS=1, PART1=1, PART2=1)
+    norm = dict(HAS_RESIDUAL=True, OUT=tl.bfloat16, BLOCK_R=2, BLOCK_K=module.block_k(3584))
     for one_step in (True, False):
         constexprs = dict(norm, ROWS=1, ONE_STEP=one_step)
         builds[f"norm, {'one step' if one_step else 'two passes'}"] = _build(

@@ -75,22 +75,19 @@ def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, s
 
 NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0),
                 "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192),
-                "exact_parts": dict(NORM_EXACT_PARTS=1, NORM_MIN_PART=8),
-                "exact_parts_wide_blocks": dict(NORM_EXACT_PARTS=1, NORM_TARGET_PROGRAMS=1)}  # fmt: skip
+                "blocks_of_264": dict(NORM_TARGET_PROGRAMS=264, NORM_TILE=16384),
+                "widest_blocks": dict(NORM_TARGET_PROGRAMS=1)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "shape",
-    [(3, 1100), (6, 300), (2, 5120), (2, 9000), (3, 1792)],
-    ids=["3x1100", "6x300", "2x5120", "2x9000", "3x1792"],
+    "shape", [(3, 1100), (6, 300), (2, 5120), (2, 9000)], ids=["3x1100", "6x300", "2x5120", "2x9000"]
 )
 @pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
     """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's),
     the row in two passes (rows wider than a step always take those), the steps of 4,096 columns of before (a 14B
-    row in two passes), and the one-step row held as its powers of two (1,100 = 1,024 + 64 + 8 + 4 stays padded;
-    300 = 256 + 32 + 8 + 4 too; 5,120 in two parts and 1,792 = 1,024 + 512 + 256 in three), with the widest rank
-    blocks."""
+    row in two passes), the rank blocks of before (at least 264 programs, tiles of 16,384) and the widest rank
+    blocks (4 where they divide every rank)."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     for name, value in NORM_LAYOUTS[layout].items():
@@ -144,21 +141,6 @@ def test_split_rows_leave_their_counters_at_zero_for_the_next_launch():
         assert int(arrival_counters(gate.device, 1).abs().sum()) == 0
 
 
-def test_norm_parts_are_exact_powers_of_two_or_the_padded_block(monkeypatch):
-    from trl_qerl.rollout import _fused_shrink_kernel as kernel
-
-    monkeypatch.setattr(kernel, "NORM_EXACT_PARTS", 1)
-    assert kernel.norm_parts(3584, 4096) == (2048, 1024, 512)  # 7B
-    assert kernel.norm_parts(5120, 8192) == (4096, 1024)  # 14B, 32B
-    assert kernel.norm_parts(8192, 8192) == (8192,)  # 72B: one power of two
-    assert kernel.norm_parts(896, 1024) == (512, 256, 128)  # 0.5B
-    assert kernel.norm_parts(1100, 2048) == (2048,)  # four powers of two: padded
-    assert kernel.norm_parts(9000, 8192) == (8192,)  # wider than a step: two passes of padded steps
-    assert kernel.norm_parts(5120 + 64, 8192) == (8192,)  # a part under NORM_MIN_PART
-    monkeypatch.setattr(kernel, "NORM_EXACT_PARTS", 0)
-    assert kernel.norm_parts(3584, 4096) == (4096,)
-
-
 def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
     from trl_qerl.rollout._fused_shrink_kernel import TILE, block_k, rank_block
 
@@ -169,6 +151,22 @@ def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
     assert rank_block(16, [32, 6], columns=1024) == 2  # 4 does not divide 6
     assert rank_block(64, [5]) == 1
     assert all(b * 4096 <= TILE for b in {rank_block(m, [32], 4096) for m in (1, 8, 16, 64)})
+    assert rank_block(8, [32, 32], 4096, 16384, programs=264) == 1  # 512 programs; 2 would give 256
+    assert rank_block(8, [32, 32], 4096, 16384, programs=66) == 4  # 128 programs
+
+
+def test_norm_shrink_rank_blocks_keep_a_program_per_multiprocessor():
+    """The norm shrinks' launch (`NORM_TARGET_PROGRAMS`, `NORM_TILE`) at 8 rows: the widest rank block that leaves
+    at least 66 programs, within the tile (7B and 14B q/k/v and gate/up, rank 32)."""
+    from trl_qerl.rollout import _fused_shrink_kernel as K
+
+    def block(width, adapters, rows=8):
+        columns = K.block_k(width, K.NORM_MAX_BLOCK_K)
+        return K.rank_block(rows, [32] * adapters, columns, K.NORM_TILE, K.NORM_TARGET_PROGRAMS)
+
+    assert K.NORM_TARGET_PROGRAMS <= 132 and K.NORM_TILE >= 4 * 8192
+    assert [block(3584, 3), block(3584, 2), block(5120, 3), block(5120, 2)] == [4, 4, 4, 4]
+    assert [block(3584, 3, rows=1), block(5120, 2, rows=1)] == [1, 1]  # 96 and 64 programs: as many as there are
 
 
 def test_norm_shrinks_take_a_14b_row_in_one_step_with_rank_blocks_of_two():
@@ -234,14 +232,12 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
-    first, at 1 to 8 rows per program, with steps of 8,192 columns (a 14B or 72B row in one, rank blocks of 2), and
-    with a 14B or 7B row in its exact parts (`NORM_EXACT_PARTS`), which take fewer registers than the padded block:
-    what the layout is for (one program per multiprocessor at 14B padded)."""
+    first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, in the rank blocks the
+    launcher takes at 8 rows: 4)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
-    assert len(resources) == 11
+    assert len(resources) == 9
     for kernel, usage in resources.items():
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
-    assert resources["norm 14B exact parts, rank block 2"]["REG"] < resources["norm 14B row, rank block 2"]["REG"]
 
 
 def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
@@ -267,22 +263,16 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
         results[f"silu {rows} {splits}"] = resources_of(compiled.asm["cubin"], folder)
     for rows, block in ((1, 2), (2, 2), (4, 1), (8, 1)):  # the widest A tile `rank_block` gives at 7B width
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=K.block_k(3584),
-                          ROWS=rows, ONE_STEP=True, PARTS=1, PART1=1, PART2=1)  # fmt: skip
+                          ROWS=rows, ONE_STEP=True)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
     for name, width in (("14B", 5120), ("72B", 8192)):  # one step of `NORM_MAX_BLOCK_K`, the widest A tile
         columns = K.block_k(width, K.NORM_MAX_BLOCK_K)
-        block = K.rank_block(8, [32] * 3, columns, K.NORM_TILE)
+        block = K.rank_block(8, [32] * 3, columns, K.NORM_TILE, K.NORM_TARGET_PROGRAMS)
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=columns, ROWS=1,
-                          ONE_STEP=True, PARTS=1, PART1=1, PART2=1)  # fmt: skip
+                          ONE_STEP=True)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
         results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
-    for name, parts, block in (("14B", (4096, 1024), 2), ("7B", (2048, 1024, 512), 4)):
-        constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=parts[0], ROWS=1,
-                          ONE_STEP=True, PARTS=len(parts), PART1=parts[1], PART2=(*parts, 1)[2])  # fmt: skip
-        warps = K._warps(K.block_k(sum(parts), K.NORM_MAX_BLOCK_K), K.NORM_MAX_WARPS)
-        compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, warps)
-        results[f"norm {name} exact parts, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
     return results
 
 

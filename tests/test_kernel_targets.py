@@ -79,8 +79,7 @@ def kernel_specs(path: K.TritonPath) -> dict[str, tuple[str, dict, dict, dict]]:
 
 def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
     """label -> spec of the fused decode step's Triton kernels at 7B decode shapes, in the widest 16-bit dtype
-    ``capability`` multiplies in (bf16 from sm_80, else fp16): the norm shrink in one step (padded, and in the exact
-    parts of 3,584 columns) and in two passes, the
+    ``capability`` multiplies in (bf16 from sm_80, else fp16): the norm shrink in one step and in two passes, the
     SiLU·up shrink over 8 rows in split spans, the split-KV partials (merging in the launch or not; rotating q and k
     and writing the cache) and merge."""
     from _sass import rollout_argument_types, triton_signature
@@ -98,13 +97,10 @@ def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
     if capability >= 80:
         for one_step in (True, False):
             constexprs = {"HAS_RESIDUAL": True, "OUT": _tl(t), "BLOCK_R": 2, "BLOCK_K": 4096, "ROWS": 1,
-                          "ONE_STEP": one_step, "PARTS": 1, "PART1": 1, "PART2": 1}  # fmt: skip
+                          "ONE_STEP": one_step}  # fmt: skip
             specs[f"norm shrink {'one step' if one_step else 'two passes'} {t}"] = rollout(
                 "shrink._norm_shrink_kernel", constexprs, shrink._warps(4096)
             )
-        exact = {"HAS_RESIDUAL": True, "OUT": _tl(t), "BLOCK_R": 2, "BLOCK_K": 2048, "ROWS": 1, "ONE_STEP": True,
-                 "PARTS": 3, "PART1": 1024, "PART2": 512}  # fmt: skip
-        specs[f"norm shrink in exact parts {t}"] = rollout("shrink._norm_shrink_kernel", exact, shrink._warps(4096))
         padded, block, columns, _ = shrink.rows_layout(8, 18944, [32])
         specs[f"silu shrink over 8 rows, 4 spans {t}"] = rollout(
             "shrink._silu_mul_shrink_rows_kernel",

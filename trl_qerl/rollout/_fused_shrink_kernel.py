@@ -71,26 +71,27 @@ NORM_MAX_BLOCK_K = 8192
 """Columns per step of the norm shrinks: a 14B or 32B row (5,120) and 72B's (8,192) in one step. With 4,096 such a row
 took two passes of two steps, the second three-quarters masked. Measured on the H200 (14B, rank 32, 2026-12-03,
 `benchmarks/fourteenth_2026-12-03/`), q/k/v and gate/up norm shrinks, µs per call: 4.7 / 4.7 -> 3.1 / 3.0 at one row,
-8.2 / 9.4 -> 6.5 / 7.4 at eight (with `NORM_TILE` 16,384; with 8,192 the q/k/v shrink at eight rows lost its rank
-block of 2 and took 10.2)."""
-NORM_TILE = 16384
-"""`TILE` of the norm shrinks: the A tile's elements per program (``BLOCK_R x BLOCK_K``), so that steps of 8,192
-columns keep rank blocks of 2. 16 warps (`NORM_MAX_WARPS`) or tiles of 32,768 were slower (same run)."""
+8.2 / 9.4 -> 6.5 / 7.4 at eight (with `NORM_TILE` 16,384 and `TARGET_PROGRAMS` 264; with a tile of 8,192 the q/k/v
+shrink at eight rows lost its rank block of 2 and took 10.2)."""
+NORM_TILE = 32768
+"""`TILE` of the norm shrinks: the A tile's elements per program (``BLOCK_R x BLOCK_K``): steps of 8,192 columns (14B,
+32B) may take rank blocks of 4. With `NORM_TARGET_PROGRAMS` 264 a tile of 32,768 was slower than 16,384 (H200, 14B,
+2026-12-03, the same run as `NORM_MAX_BLOCK_K`; 16 warps too); with 66 it is faster (see there)."""
+NORM_TARGET_PROGRAMS = 66
+"""`TARGET_PROGRAMS` of the norm shrinks' rank block: the widest block (of 4, 2, 1) whose launch still has this many
+programs. Fewer programs reread the row and the A tiles, and the launch needs fewer waves: a 14B program of rank block
+2 takes 176 registers a thread (cross-compiled for sm_90 with Triton 3.9), so one fits a multiprocessor and 264 or more of them
+run in two waves or more. Measured on an H100 (2026-12-06, `benchmarks/thirtyseventh_2026-12-06/`,
+`scripts/bench_fused_shrink.py --variants`), µs per call, rank 32, 264 and tiles of 16,384 (before) -> 66 and 32,768:
+14B q/k/v and gate/up 6.4 / 7.3 -> 6.4 / 3.9 at 8 rows, 11.5 / 8.2 -> 9.2 / 6.6 at 16; 7B 4.1 / 4.4 -> 3.9 / 3.1 at 8,
+6.3 / 5.9 -> 6.3 / 4.0 at 16; one row unchanged (96 and 64 programs of rank block 1 either way); 132 was as fast or slower. In
+the decode step at batch 8 (A-B-A-B, one process), the norm shrinks' kernel time per step went from 0.662 / 0.672 to
+0.496 ms (14B) and from 0.245 / 0.242 to 0.197 ms (7B); the step from 6.84 / 6.84 to 6.70 / 6.75 ms and from 3.56 /
+3.58 to 3.53 / 3.53 ms. Holding a row as its exact powers of two (5,120 = 4,096 + 1,024: 121 registers instead of
+176) was slower wherever the rank block did not change (14B q/k/v at 8 rows 6.4 -> 7.4, 7B 4.1 -> 5.1): each part
+adds its own block-wide sums; dropped."""
 NORM_MAX_WARPS = 8
 """Most warps per norm-shrink program (``BLOCK_K / 512``, at least one)."""
-NORM_EXACT_PARTS = 0
-"""A one-step norm row whose width is two or three powers of two (7B's 3,584 = 2,048 + 1,024 + 512; 14B's and 32B's
-5,120 = 4,096 + 1,024) is held as those parts instead of one block padded to the next power of two, so that the masked
-columns take no registers. Why it may matter (cross-compiled for sm_90, Triton 3.9's ptxas, 8 warps): the padded
-14B program of rank block 2 (8,192 columns) takes 176 registers a thread, so one program per multiprocessor; the 384
-programs of a q/k/v launch at 8 rows run in three waves (7B, 4,096 columns: 97 registers, two per multiprocessor, two
-waves). Each part costs its own block-wide sums (the statistics and the shrink). Off until measured."""
-NORM_TARGET_PROGRAMS = 264
-"""`TARGET_PROGRAMS` of the norm shrinks' rank block. With 132, a rank block that still gives a program per
-multiprocessor is taken (7B at 8 rows: q/k/v 4 instead of 2, gate/up 2 instead of 1), so fewer programs reread the row
-and each launch has fewer waves. Not measured yet."""
-NORM_MIN_PART = 128
-"""Smallest part of `NORM_EXACT_PARTS` (narrower parts would repeat elements over the threads); else padded."""
 
 
 @triton.jit
@@ -146,37 +147,21 @@ def _store_splits(value, targets, mask, partial_ptr, count_ptr, slot, split, off
 
 
 @triton.jit
-def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, a1, a2, base, row, width, eps, columns, ranks,
+def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, eps, columns, ranks,
                      stride_x, stride_res, stride_s, stride_h,
                      HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ONE_STEP: tl.constexpr, PARTS: tl.constexpr, PART1: tl.constexpr, PART2: tl.constexpr):  # fmt: skip
+                     ONE_STEP: tl.constexpr):  # fmt: skip
     """One row's ``h`` (and ``s``, stored by the rank block 0 programs) and its ``BLOCK_R`` shrink sums. With
-    ``ONE_STEP`` the row fits one ``BLOCK_K`` step (``PARTS`` of ``BLOCK_K``, ``PART1``, ``PART2`` columns): ``x``
-    is loaded once and ``a``, ``a1``, ``a2``, the A tile's parts, were loaded before."""
+    ``ONE_STEP`` the row fits one ``BLOCK_K`` step: ``x`` is loaded once and ``a``, the A tile, was loaded before."""
     x_row, res_row = x_ptr + row * stride_x, res_ptr + row * stride_res
-    s_row, h_row = s_ptr + row * stride_s, h_ptr + row * stride_h
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if ONE_STEP:
         inside = columns < width
         x = _norm_input(x_row, res_row, columns, inside, HAS_RESIDUAL, OUT)
-        squares = tl.sum(x * x, axis=0)
-        if PARTS >= 2:
-            columns1 = BLOCK_K + tl.arange(0, PART1)
-            x1 = _norm_input(x_row, res_row, columns1, columns1 < width, HAS_RESIDUAL, OUT)
-            squares += tl.sum(x1 * x1, axis=0)
-        if PARTS >= 3:
-            columns2 = BLOCK_K + PART1 + tl.arange(0, PART2)
-            x2 = _norm_input(x_row, res_row, columns2, columns2 < width, HAS_RESIDUAL, OUT)
-            squares += tl.sum(x2 * x2, axis=0)
-        inverse = tl.rsqrt(squares / width + eps)  # torch.rsqrt, as the eager and inductor norms
-        h = _norm_output(x, inverse, w_ptr, s_row, h_row, columns, inside, HAS_RESIDUAL, OUT)
+        inverse = tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)  # torch.rsqrt, as the eager and inductor norms
+        h = _norm_output(x, inverse, w_ptr, s_ptr + row * stride_s, h_ptr + row * stride_h, columns, inside,
+                         HAS_RESIDUAL, OUT)  # fmt: skip
         acc += tl.sum(a * h.to(tl.float32)[None, :], axis=1)
-        if PARTS >= 2:
-            h1 = _norm_output(x1, inverse, w_ptr, s_row, h_row, columns1, columns1 < width, HAS_RESIDUAL, OUT)
-            acc += tl.sum(a1 * h1.to(tl.float32)[None, :], axis=1)
-        if PARTS >= 3:
-            h2 = _norm_output(x2, inverse, w_ptr, s_row, h_row, columns2, columns2 < width, HAS_RESIDUAL, OUT)
-            acc += tl.sum(a2 * h2.to(tl.float32)[None, :], axis=1)
     else:
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for start in range(0, width, BLOCK_K):
@@ -189,7 +174,8 @@ def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, a1, a2, base, row, 
             offsets = start + columns
             inside = offsets < width
             x = _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL, OUT)
-            h = _norm_output(x, inverse, w_ptr, s_row, h_row, offsets, inside, HAS_RESIDUAL, OUT)
+            h = _norm_output(x, inverse, w_ptr, s_ptr + row * stride_s, h_ptr + row * stride_h, offsets, inside,
+                             HAS_RESIDUAL, OUT)  # fmt: skip
             tile = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
             acc += tl.sum(tile * h.to(tl.float32)[None, :], axis=1)
     return acc
@@ -210,39 +196,25 @@ def _norm_output(x, inverse, w_ptr, s_row, h_row, offsets, inside, HAS_RESIDUAL:
 
 
 @triton.jit
-def _a_part(base, ranks, width, start, SIZE: tl.constexpr):
-    """``SIZE`` columns of the program's A rows from column ``start`` (zeros past ``width``)."""
-    offsets = start + tl.arange(0, SIZE)
-    return tl.load(base + ranks[:, None] * width + offsets[None, :], mask=(offsets < width)[None, :], other=0.0)
-
-
-@triton.jit
 def _norm_shrink_kernel(
     x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr,
     rows, width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
     HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr, ONE_STEP: tl.constexpr, PARTS: tl.constexpr, PART1: tl.constexpr, PART2: tl.constexpr,
+    ROWS: tl.constexpr, ONE_STEP: tl.constexpr,
 ):  # fmt: skip
     first = tl.program_id(1) * BLOCK_R
     columns = tl.arange(0, BLOCK_K)
     base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
     ranks = tl.arange(0, BLOCK_R)
-    # (unused in two passes, which load A per step, and past ``PARTS``)
-    a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    tile1 = tl.zeros([BLOCK_R, PART1], dtype=tl.float32)
-    tile2 = tl.zeros([BLOCK_R, PART2], dtype=tl.float32)
+    a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)  # (unused in two passes, which load A per step)
     if ONE_STEP:  # issued first: its latency overlaps the statistics of the rows
-        a = _a_part(base, ranks, width, 0, BLOCK_K)
-        if PARTS >= 2:
-            tile1 = _a_part(base, ranks, width, BLOCK_K, PART1)
-        if PARTS >= 3:
-            tile2 = _a_part(base, ranks, width, BLOCK_K + PART1, PART2)
+        a = tl.load(base + ranks[:, None] * width + columns[None, :], mask=(columns < width)[None, :], other=0.0)
     for i in tl.static_range(ROWS):
         row = tl.program_id(0) * ROWS + i
         if row < rows:
-            acc = _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, tile1, tile2, base, row, width, eps,
-                                   columns, ranks, stride_x, stride_res, stride_s, stride_h,
-                                   HAS_RESIDUAL, OUT, BLOCK_R, BLOCK_K, ONE_STEP, PARTS, PART1, PART2)  # fmt: skip
+            acc = _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, eps, columns, ranks,
+                                   stride_x, stride_res, stride_s, stride_h,
+                                   HAS_RESIDUAL, OUT, BLOCK_R, BLOCK_K, ONE_STEP)  # fmt: skip
             tl.store(t_ptr + row * stride_t + first + ranks, acc)
 
 
@@ -319,8 +291,8 @@ def rank_block(
     rows: int, ranks: list[int], columns: int = MAX_BLOCK_K, tile: int | None = None, programs: int | None = None
 ) -> int:
     """Rows of A per program: the largest of 4, 2, 1 that divides every rank, keeps the A tile within ``tile``
-    elements (`TILE` unless given) for steps of ``columns``, and still gives ``programs`` (`TARGET_PROGRAMS` unless
-    given)."""
+    elements (`TILE` unless given) for steps of ``columns``, and still gives ``programs`` programs (`TARGET_PROGRAMS`
+    unless given)."""
     total, tile = sum(ranks), TILE if tile is None else tile
     programs = TARGET_PROGRAMS if programs is None else programs
     for block in (4, 2):
@@ -371,24 +343,13 @@ def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tenso
     return (blocks, splits), span, partials, counters, meta
 
 
-def norm_parts(width: int, columns: int) -> tuple[int, ...]:
-    """The one-step norm row's parts: ``(columns,)`` (one block, padded), or with `NORM_EXACT_PARTS` the powers of two
-    that sum to ``width`` where there are two or three of them, none under `NORM_MIN_PART`, largest first."""
-    if not NORM_EXACT_PARTS or width > columns:
-        return (columns,)
-    parts = tuple(1 << bit for bit in reversed(range(width.bit_length())) if width >> bit & 1)
-    return parts if 2 <= len(parts) <= 3 and parts[-1] >= NORM_MIN_PART else (columns,)
-
-
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
     columns = block_k(width, NORM_MAX_BLOCK_K)
-    one_step = bool(NORM_ONE_STEP) and width <= columns
-    parts = norm_parts(width, columns) if one_step else (columns,)
     per_program = min(NORM_ROWS, rows)
     groups = triton.cdiv(rows, per_program)
-    block = rank_block(groups, [a.shape[0] for a in lora_a], sum(parts), NORM_TILE, NORM_TARGET_PROGRAMS)
+    block = rank_block(groups, [a.shape[0] for a in lora_a], columns, NORM_TILE, NORM_TARGET_PROGRAMS)
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     has_residual = residual is not None
     residual = residual if has_residual else x
@@ -397,9 +358,8 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     _norm_shrink_kernel[grid](
         x, residual, weight, a0, a1, a2, s, h, t, rows, width, rank0, rank1, eps,
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
-        HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=parts[0],
-        ROWS=per_program, ONE_STEP=one_step, PARTS=len(parts), PART1=(parts + (1, 1))[1], PART2=(parts + (1, 1))[2],
-        num_warps=_warps(columns, NORM_MAX_WARPS),
+        HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns,
+        ROWS=per_program, ONE_STEP=bool(NORM_ONE_STEP) and width <= columns, num_warps=_warps(columns, NORM_MAX_WARPS),
     )  # fmt: skip
 
 
