@@ -343,6 +343,10 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
     with engine_environment("default+rotary_in_attention"):
         assert defaults() == shipped and fused_decode.ROTARY_IN_ATTENTION
     assert fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
+    fused_rows = fused_decode.FUSED_SHRINK_ROWS
+    with engine_environment("default+fused_shrink_16"):
+        assert defaults() == shipped and fused_decode.FUSED_SHRINK_ROWS == 16
+    assert fused_decode.FUSED_SHRINK_ROWS == fused_rows
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
         assert defaults() == shipped
