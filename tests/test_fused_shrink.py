@@ -227,17 +227,24 @@ def test_row_spans_leave_their_counters_at_zero_for_the_next_launch():
         assert int(arrival_counters(gate.device, 8).abs().sum()) == 0
 
 
+WIDE_NORM_TILE_STACK = 64
+"""Bytes of stack the norm shrink's widest tile may keep (see below)."""
+
+
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     """Compiled for sm_90 (Triton's bundled toolchain, in a subprocess: this session runs the interpreter) at its
     largest register tiles, `_silu_mul_shrink_rows_kernel` keeps its accumulator in registers (a spilling draft of the
     tensor-core shrinks took 228 µs per call on the H200), and so does `_norm_shrink_kernel` with its A tile loaded
     first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, in the rank blocks the
-    launcher takes at 8 rows: 4)."""
+    launcher takes at 8 rows: 4). That last tile (4 x 8,192 fp32 over 8 warps) may keep a few words on the stack:
+    48 bytes with Triton 3.3 and 3.6, none with 3.9; built so (Triton 3.6, H100, 2026-12-06) it was the faster layout,
+    14B gate/up at 8 rows 7.3 -> 3.9 µs (`_fused_shrink_kernel.NORM_TARGET_PROGRAMS`)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
     assert len(resources) == 9
     for kernel, usage in resources.items():
-        assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{kernel}: {usage}"
+        stack = WIDE_NORM_TILE_STACK if kernel.endswith("row, rank block 4") else 0
+        assert usage["STACK"] <= stack and usage["LOCAL"] == 0, f"{kernel}: {usage}"
 
 
 def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:

@@ -80,8 +80,10 @@ NORM_TILE = 32768
 NORM_TARGET_PROGRAMS = 66
 """`TARGET_PROGRAMS` of the norm shrinks' rank block: the widest block (of 4, 2, 1) whose launch still has this many
 programs. Fewer programs reread the row and the A tiles, and the launch needs fewer waves: a 14B program of rank block
-2 takes 176 registers a thread (cross-compiled for sm_90 with Triton 3.9), so one fits a multiprocessor and 264 or more of them
-run in two waves or more. Measured on an H100 (2026-12-06, `benchmarks/thirtyseventh_2026-12-06/`,
+2 takes 214 registers a thread (cross-compiled for sm_90 with Triton 3.6; 176 with 3.9), so one fits a
+multiprocessor and 264 or more of them run in two waves or more. Rank block 4 takes 255 and keeps 48 bytes on the
+stack with Triton 3.6 (none with 3.9); measured so, it was still the faster layout. 16 warps (`NORM_MAX_WARPS`) would
+need no stack (128 registers); not measured. Measured on an H100 (2026-12-06, `benchmarks/thirtyseventh_2026-12-06/`,
 `scripts/bench_fused_shrink.py --variants`), µs per call, rank 32, 264 and tiles of 16,384 (before) -> 66 and 32,768:
 14B q/k/v and gate/up 6.4 / 7.3 -> 6.4 / 3.9 at 8 rows, 11.5 / 8.2 -> 9.2 / 6.6 at 16; 7B 4.1 / 4.4 -> 3.9 / 3.1 at 8,
 6.3 / 5.9 -> 6.3 / 4.0 at 16; one row unchanged (96 and 64 programs of rank block 1 either way); 132 was as fast or slower. In
