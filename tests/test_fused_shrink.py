@@ -155,27 +155,23 @@ def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
     assert rank_block(8, [32, 32], 4096, 16384, programs=66) == 4  # 128 programs
 
 
-def test_norm_shrink_rank_blocks_keep_a_program_per_multiprocessor():
-    """The norm shrinks' launch (`NORM_TARGET_PROGRAMS`, `NORM_TILE`) at 8 rows: the widest rank block that leaves
-    at least 66 programs, within the tile (7B and 14B q/k/v and gate/up, rank 32)."""
+def test_norm_shrinks_take_a_14b_row_in_one_step_in_wide_rank_blocks():
+    """A 5,120-column row in one step. At 8 rows the launcher (`NORM_TARGET_PROGRAMS`, `NORM_TILE`) takes the widest
+    rank block that leaves at least 66 programs, within the tile: 4 for 7B and 14B q/k/v and gate/up (rank 32); one row
+    keeps blocks of 1 (96 and 64 programs: as many as there are). With the target of before (264 programs) the 14B
+    q/k/v launch took blocks of 2, and with the general `TILE` it fell to blocks of 1 and took 10.2 against 6.5 µs per
+    call (H200, 14B)."""
     from trl_qerl.rollout import _fused_shrink_kernel as K
 
     def block(width, adapters, rows=8):
         columns = K.block_k(width, K.NORM_MAX_BLOCK_K)
         return K.rank_block(rows, [32] * adapters, columns, K.NORM_TILE, K.NORM_TARGET_PROGRAMS)
 
-    assert K.NORM_TARGET_PROGRAMS <= 132 and K.NORM_TILE >= 4 * 8192
-    assert [block(3584, 3), block(3584, 2), block(5120, 3), block(5120, 2)] == [4, 4, 4, 4]
-    assert [block(3584, 3, rows=1), block(5120, 2, rows=1)] == [1, 1]  # 96 and 64 programs: as many as there are
-
-
-def test_norm_shrinks_take_a_14b_row_in_one_step_with_rank_blocks_of_two():
-    """A 5,120-column row in one step, and at 8 rows the q/k/v launch keeps rank blocks of 2: with the general `TILE`
-    it fell to blocks of 1 and took 10.2 against 6.5 µs per call (H200, 14B)."""
-    from trl_qerl.rollout import _fused_shrink_kernel as K
-
     columns = K.block_k(5120, K.NORM_MAX_BLOCK_K)
     assert columns == 8192 and K.block_k(8192, K.NORM_MAX_BLOCK_K) == 8192
+    assert K.NORM_TARGET_PROGRAMS <= 132 and K.NORM_TILE >= 4 * 8192
+    assert [block(3584, 3), block(3584, 2), block(5120, 3), block(5120, 2)] == [4, 4, 4, 4]
+    assert [block(3584, 3, rows=1), block(5120, 2, rows=1)] == [1, 1]
     assert K.rank_block(8, [32] * 3, columns, K.NORM_TILE) == 2
     assert K.rank_block(8, [32] * 3, columns) == 1
 

@@ -13,6 +13,9 @@ from ._arrival_kernel import last_to_arrive, reset_arrivals
 from ._fused_shrink_kernel import _DTYPES, _round
 
 
+_IO_DTYPES = {**_DTYPES, torch.float32: tl.float32}  # a strict lookup: another dtype is a KeyError, not fp32 reads
+
+
 @triton.jit
 def _rotated(ptr, offsets, dims, cos, sin, mask, HEAD_DIM: tl.constexpr, IO: tl.constexpr):
     """transformers' ``x * cos + rotate_half(x) * sin`` of the heads at ``ptr + offsets`` (broadcast against
@@ -231,9 +234,6 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
         MIN_STAT=min_stat, MERGE=merged, MERGE_DIM_BLOCK=dim_block, MERGE_SPLIT_BLOCK=split_block,
         ROTARY=rotary is not None, IO=_IO_DTYPES[q.dtype], num_warps=num_warps,
     )  # fmt: skip
-
-
-_IO_DTYPES = {**_DTYPES, torch.float32: tl.float32}  # a strict lookup: another dtype is a KeyError, not fp32 reads
 
 
 def _dot_dtype(dtype: torch.dtype):
