@@ -163,7 +163,7 @@ def _fused_shrink_builds(module, folder: Path) -> dict[str, tuple[list[str], dic
     builds = {}
     norm = dict(HAS_RESIDUAL=True, OUT=tl.bfloat16, BLOCK_R=2, BLOCK_K=module.block_k(3584))
     for one_step in (True, False):
-        constexprs = dict(norm, ROWS=1, ONE_STEP=one_step)
+        constexprs = dict(norm, ROWS=1, ONE_STEP=one_step, PASSES=1)
         builds[f"norm, {'one step' if one_step else 'two passes'}"] = _build(
             module._norm_shrink_kernel, constexprs, "bf16", folder, module._warps(norm["BLOCK_K"])
         )

@@ -76,7 +76,9 @@ def test_norm_shrink_kernel_matches_the_torch_formulas(dtype, residual, ranks, s
 NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, NORM_ONE_STEP=0),
                 "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192),
                 "blocks_of_264": dict(NORM_TARGET_PROGRAMS=264, NORM_TILE=16384),
-                "widest_blocks": dict(NORM_TARGET_PROGRAMS=1)}  # fmt: skip
+                "widest_blocks": dict(NORM_TARGET_PROGRAMS=1),
+                "all_blocks_in_one_program": dict(NORM_PASS_PROGRAMS=1),
+                "blocks_in_passes": dict(NORM_PASS_PROGRAMS=8)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -86,8 +88,10 @@ NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, 
 def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
     """The norm shrink's other layouts: several rows per program (the last program's rows partly past the launch's),
     the row in two passes (rows wider than a step always take those), the steps of 4,096 columns of before (a 14B
-    row in two passes), the rank blocks of before (at least 264 programs, tiles of 16,384) and the widest rank
-    blocks (4 where they divide every rank)."""
+    row in two passes), the rank blocks of before (at least 264 programs, tiles of 16,384), the widest rank
+    blocks (4 where they divide every rank), and programs that take several rank blocks in turn (`norm_passes`:
+    every block of the row in one program; or, within 8 programs, passes of 2, 4 or 8 of the 8 blocks of ranks
+    5 + 3; rows wider than a step keep one block a program)."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     for name, value in NORM_LAYOUTS[layout].items():
@@ -153,6 +157,33 @@ def test_rank_block_divides_every_rank_fits_the_tile_and_fills_the_gpu():
     assert all(b * 4096 <= TILE for b in {rank_block(m, [32], 4096) for m in (1, 8, 16, 64)})
     assert rank_block(8, [32, 32], 4096, 16384, programs=264) == 1  # 512 programs; 2 would give 256
     assert rank_block(8, [32, 32], 4096, 16384, programs=66) == 4  # 128 programs
+
+
+@pytest.mark.parametrize("shape", [(2, 5120), (3, 1100)], ids=["2x5120", "3x1100"])
+def test_norm_shrink_passes_cross_from_one_adapter_to_the_next(monkeypatch, shape):
+    """Blocks of 4 ranks of adapters of 8, 8 and 16 (8 blocks), 4 blocks a program: a program's passes leave the
+    first adapter for the second."""
+    from trl_qerl.rollout import _fused_shrink_kernel as kernel
+
+    monkeypatch.setattr(kernel, "NORM_TARGET_PROGRAMS", 1)
+    monkeypatch.setattr(kernel, "NORM_PASS_PROGRAMS", shape[0] * 2)
+    assert kernel.rank_block(shape[0], [8, 8, 16], 8192, kernel.NORM_TILE, 1) == 4
+    assert kernel.norm_passes(shape[0], 8) == 4
+    _check_norm_shrink(torch.bfloat16, True, (8, 8, 16), shape)
+
+
+def test_norm_passes_bring_the_programs_within_the_bound():
+    """`norm_passes`: the fewest rank blocks per program that divide the blocks and keep ``rows x blocks / passes``
+    within the bound; 14B q/k/v at 8 rows (24 blocks of 4) in passes of 2 within one program per multiprocessor."""
+    from trl_qerl.rollout._fused_shrink_kernel import norm_passes
+
+    assert norm_passes(8, 24, most=0) == 1
+    assert norm_passes(8, 24, most=132) == 2  # 192 programs -> 96
+    assert norm_passes(8, 16, most=132) == 1  # gate/up: 128 programs
+    assert norm_passes(16, 24, most=132) == 3  # 384 -> 128
+    assert norm_passes(1, 96, most=132) == 1
+    assert norm_passes(4, 5, most=3) == 5  # none within: every block in one program
+    assert norm_passes(2, 8, most=3) == 8
 
 
 def test_norm_shrinks_take_a_14b_row_in_one_step_in_wide_rank_blocks():
@@ -266,14 +297,14 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
         results[f"silu {rows} {splits}"] = resources_of(compiled.asm["cubin"], folder)
     for rows, block in ((1, 2), (2, 2), (4, 1), (8, 1)):  # the widest A tile `rank_block` gives at 7B width
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=K.block_k(3584),
-                          ROWS=rows, ONE_STEP=True)  # fmt: skip
+                          ROWS=rows, ONE_STEP=True, PASSES=1)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
     for name, width in (("14B", 5120), ("72B", 8192)):  # one step of `NORM_MAX_BLOCK_K`, the widest A tile
         columns = K.block_k(width, K.NORM_MAX_BLOCK_K)
         block = K.rank_block(8, [32] * 3, columns, K.NORM_TILE, K.NORM_TARGET_PROGRAMS)
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=columns, ROWS=1,
-                          ONE_STEP=True)  # fmt: skip
+                          ONE_STEP=True, PASSES=1)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
         results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
     return results

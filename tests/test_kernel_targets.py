@@ -97,7 +97,7 @@ def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
     if capability >= 80:
         for one_step in (True, False):
             constexprs = {"HAS_RESIDUAL": True, "OUT": _tl(t), "BLOCK_R": 2, "BLOCK_K": 4096, "ROWS": 1,
-                          "ONE_STEP": one_step}  # fmt: skip
+                          "ONE_STEP": one_step, "PASSES": 1}  # fmt: skip
             specs[f"norm shrink {'one step' if one_step else 'two passes'} {t}"] = rollout(
                 "shrink._norm_shrink_kernel", constexprs, shrink._warps(4096)
             )

@@ -94,6 +94,12 @@ the decode step at batch 8 (A-B-A-B, one process), the norm shrinks' kernel time
 adds its own block-wide sums; dropped."""
 NORM_MAX_WARPS = 8
 """Most warps per norm-shrink program (``BLOCK_K / 512``, at least one)."""
+NORM_PASS_PROGRAMS = 0
+"""Most programs a one-step norm-shrink launch of one row per program may have before each program takes several rank
+blocks in turn (0: one rank block per program). A program then normalises its row once and loads one A tile after
+another (the first before the statistics, as ever). Meant for launches of programs so large that one fits a
+multiprocessor (14B q/k/v at 8 rows: 192 programs of rank block 4, 255 registers a thread; two waves on 132
+multiprocessors, one in passes of two). Not measured yet."""
 
 
 @triton.jit
@@ -154,7 +160,8 @@ def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, e
                      HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                      ONE_STEP: tl.constexpr):  # fmt: skip
     """One row's ``h`` (and ``s``, stored by the rank block 0 programs) and its ``BLOCK_R`` shrink sums. With
-    ``ONE_STEP`` the row fits one ``BLOCK_K`` step: ``x`` is loaded once and ``a``, the A tile, was loaded before."""
+    ``ONE_STEP`` the row fits one ``BLOCK_K`` step: ``x`` is loaded once and ``a``, the A tile, was loaded before.
+    Returns the sums and, with ``ONE_STEP``, the row's ``h`` in fp32 (for further rank blocks; else the sums again)."""
     x_row, res_row = x_ptr + row * stride_x, res_ptr + row * stride_res
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if ONE_STEP:
@@ -163,7 +170,8 @@ def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, e
         inverse = tl.rsqrt(tl.sum(x * x, axis=0) / width + eps)  # torch.rsqrt, as the eager and inductor norms
         h = _norm_output(x, inverse, w_ptr, s_ptr + row * stride_s, h_ptr + row * stride_h, columns, inside,
                          HAS_RESIDUAL, OUT)  # fmt: skip
-        acc += tl.sum(a * h.to(tl.float32)[None, :], axis=1)
+        normed = h.to(tl.float32)
+        acc += tl.sum(a * normed[None, :], axis=1)
     else:
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for start in range(0, width, BLOCK_K):
@@ -180,7 +188,8 @@ def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, e
                              HAS_RESIDUAL, OUT)  # fmt: skip
             tile = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
             acc += tl.sum(tile * h.to(tl.float32)[None, :], axis=1)
-    return acc
+        normed = acc
+    return acc, normed
 
 
 @triton.jit
@@ -202,9 +211,10 @@ def _norm_shrink_kernel(
     x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr,
     rows, width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
     HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr, ONE_STEP: tl.constexpr,
+    ROWS: tl.constexpr, ONE_STEP: tl.constexpr, PASSES: tl.constexpr,
 ):  # fmt: skip
-    first = tl.program_id(1) * BLOCK_R
+    tl.static_assert(PASSES == 1 or (ONE_STEP and ROWS == 1), "rank blocks in passes need one row in one step")
+    first = tl.program_id(1) * PASSES * BLOCK_R
     columns = tl.arange(0, BLOCK_K)
     base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
     ranks = tl.arange(0, BLOCK_R)
@@ -214,10 +224,16 @@ def _norm_shrink_kernel(
     for i in tl.static_range(ROWS):
         row = tl.program_id(0) * ROWS + i
         if row < rows:
-            acc = _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, eps, columns, ranks,
-                                   stride_x, stride_res, stride_s, stride_h,
-                                   HAS_RESIDUAL, OUT, BLOCK_R, BLOCK_K, ONE_STEP)  # fmt: skip
+            acc, h = _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, eps, columns, ranks,
+                                      stride_x, stride_res, stride_s, stride_h,
+                                      HAS_RESIDUAL, OUT, BLOCK_R, BLOCK_K, ONE_STEP)  # fmt: skip
             tl.store(t_ptr + row * stride_t + first + ranks, acc)
+            for p in tl.static_range(1, PASSES):  # the program's further rank blocks, for the row's h
+                block_first = first + p * BLOCK_R
+                block_base = _adapter_rows(a0, a1, a2, block_first, width, rank0, rank1)
+                tile = tl.load(block_base + ranks[:, None] * width + columns[None, :], mask=(columns < width)[None, :],
+                               other=0.0)  # fmt: skip
+                tl.store(t_ptr + row * stride_t + block_first + ranks, tl.sum(tile * h[None, :], axis=1))
 
 
 @triton.jit
@@ -345,6 +361,16 @@ def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tenso
     return (blocks, splits), span, partials, counters, meta
 
 
+def norm_passes(rows: int, blocks: int, most: int | None = None) -> int:
+    """Rank blocks each program of a one-step norm-shrink launch takes in turn: the fewest that divide ``blocks`` and
+    bring ``rows x blocks`` programs within ``most`` (`NORM_PASS_PROGRAMS` unless given; 0: one block each), or all
+    ``blocks`` where none does."""
+    most = NORM_PASS_PROGRAMS if most is None else most
+    if most <= 0:
+        return 1
+    return next((p for p in range(1, blocks + 1) if blocks % p == 0 and rows * blocks // p <= most), blocks)
+
+
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
@@ -356,12 +382,14 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     has_residual = residual is not None
     residual = residual if has_residual else x
     s = s if has_residual else h
-    grid = (groups, t.shape[1] // block)
-    _norm_shrink_kernel[grid](
+    one_step = bool(NORM_ONE_STEP) and width <= columns
+    blocks = t.shape[1] // block
+    passes = norm_passes(groups, blocks) if one_step and per_program == 1 else 1
+    _norm_shrink_kernel[(groups, blocks // passes)](
         x, residual, weight, a0, a1, a2, s, h, t, rows, width, rank0, rank1, eps,
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
         HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns,
-        ROWS=per_program, ONE_STEP=bool(NORM_ONE_STEP) and width <= columns, num_warps=_warps(columns, NORM_MAX_WARPS),
+        ROWS=per_program, ONE_STEP=one_step, PASSES=passes, num_warps=_warps(columns, NORM_MAX_WARPS),
     )  # fmt: skip
 
 
