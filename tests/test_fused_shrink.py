@@ -77,8 +77,8 @@ NORM_LAYOUTS = {"rows4": dict(NORM_ROWS=4), "rows2_two_pass": dict(NORM_ROWS=2, 
                 "steps_of_4096": dict(NORM_MAX_BLOCK_K=4096, NORM_TILE=8192),
                 "blocks_of_264": dict(NORM_TARGET_PROGRAMS=264, NORM_TILE=16384),
                 "widest_blocks": dict(NORM_TARGET_PROGRAMS=1),
-                "all_blocks_in_one_program": dict(NORM_PASS_PROGRAMS=1),
-                "blocks_in_passes": dict(NORM_PASS_PROGRAMS=8)}  # fmt: skip
+                "all_blocks_in_one_program": dict(NORM_WAVE_PROGRAMS=1),
+                "blocks_in_passes": dict(NORM_WAVE_PROGRAMS=8)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -90,8 +90,8 @@ def test_norm_shrink_layouts_compute_the_same(monkeypatch, shape, layout):
     the row in two passes (rows wider than a step always take those), the steps of 4,096 columns of before (a 14B
     row in two passes), the rank blocks of before (at least 264 programs, tiles of 16,384), the widest rank
     blocks (4 where they divide every rank), and programs that take several rank blocks in turn (`norm_passes`:
-    every block of the row in one program; or, within 8 programs, passes of 2, 4 or 8 of the 8 blocks of ranks
-    5 + 3; rows wider than a step keep one block a program)."""
+    every block of the row in one program; or, with a wave of 8 programs, passes of 2, 4 or 8 of the 8 blocks of
+    ranks 5 + 3; rows wider than a step keep one block a program)."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
     for name, value in NORM_LAYOUTS[layout].items():
@@ -165,25 +165,37 @@ def test_norm_shrink_passes_cross_from_one_adapter_to_the_next(monkeypatch, shap
     first adapter for the second."""
     from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
+    rows, width = shape
+    columns = kernel.block_k(width, kernel.NORM_MAX_BLOCK_K)
     monkeypatch.setattr(kernel, "NORM_TARGET_PROGRAMS", 1)
-    monkeypatch.setattr(kernel, "NORM_PASS_PROGRAMS", shape[0] * 2)
-    assert kernel.rank_block(shape[0], [8, 8, 16], 8192, kernel.NORM_TILE, 1) == 4
-    assert kernel.norm_passes(shape[0], 8) == 4
+    monkeypatch.setattr(kernel, "NORM_PASSES", 1)
+    monkeypatch.setattr(kernel, "NORM_WAVE_PROGRAMS", 2 * rows)
+    assert kernel.rank_block(rows, [8, 8, 16], columns, kernel.NORM_TILE, 1) == 4
+    assert kernel.norm_passes(rows, 8, columns, 2 * rows) == 4
     _check_norm_shrink(torch.bfloat16, True, (8, 8, 16), shape)
 
 
-def test_norm_passes_bring_the_programs_within_the_bound():
-    """`norm_passes`: the fewest rank blocks per program that divide the blocks and keep ``rows x blocks / passes``
-    within the bound; 14B q/k/v at 8 rows (24 blocks of 4) in passes of 2 within one program per multiprocessor."""
-    from trl_qerl.rollout._fused_shrink_kernel import norm_passes
+def test_norm_passes_split_only_launches_of_more_than_one_wave(monkeypatch):
+    """`norm_passes` on 132 multiprocessors: one block a program where the launch fits one wave (one program a
+    multiprocessor for steps of `NORM_WIDE_COLUMNS`, two for narrower ones), else the fewest passes that bring it
+    within 132 programs. 14B q/k/v at 8 rows: 24 blocks of 4, 192 programs -> 96; 7B's 192 fit one wave."""
+    from trl_qerl.rollout import _fused_shrink_kernel as kernel
 
-    assert norm_passes(8, 24, most=0) == 1
-    assert norm_passes(8, 24, most=132) == 2  # 192 programs -> 96
-    assert norm_passes(8, 16, most=132) == 1  # gate/up: 128 programs
-    assert norm_passes(16, 24, most=132) == 3  # 384 -> 128
-    assert norm_passes(1, 96, most=132) == 1
-    assert norm_passes(4, 5, most=3) == 5  # none within: every block in one program
-    assert norm_passes(2, 8, most=3) == 8
+    monkeypatch.setattr(kernel, "NORM_PASSES", 1)
+    monkeypatch.setattr(kernel, "NORM_WIDE_COLUMNS", 8192)
+    wide, narrow = 8192, 4096
+    assert kernel.norm_passes(8, 24, wide, 132) == 2  # 14B q/k/v at 8 rows
+    assert kernel.norm_passes(8, 16, wide, 132) == 1  # 14B gate/up: 128 programs
+    assert kernel.norm_passes(16, 24, wide, 132) == 3  # 384 -> 128
+    assert kernel.norm_passes(16, 16, wide, 132) == 2  # 256 -> 128
+    assert kernel.norm_passes(8, 24, narrow, 132) == 1  # 7B q/k/v at 8 rows: 192 programs, two a multiprocessor
+    assert kernel.norm_passes(16, 24, narrow, 132) == 3  # 384: more than a wave
+    assert kernel.norm_passes(16, 16, narrow, 132) == 1  # 7B gate/up at 16 rows: 256
+    assert kernel.norm_passes(1, 96, wide, 132) == 1
+    assert kernel.norm_passes(4, 5, wide, 3) == 5  # none within: every block in one program
+    assert kernel.norm_passes(8, 24, wide, 0) == 1  # no multiprocessors known (the CPU interpreter)
+    monkeypatch.setattr(kernel, "NORM_PASSES", 0)
+    assert kernel.norm_passes(8, 24, wide, 132) == 1
 
 
 def test_norm_shrinks_take_a_14b_row_in_one_step_in_wide_rank_blocks():

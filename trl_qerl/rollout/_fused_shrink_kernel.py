@@ -94,12 +94,20 @@ the decode step at batch 8 (A-B-A-B, one process), the norm shrinks' kernel time
 adds its own block-wide sums; dropped."""
 NORM_MAX_WARPS = 8
 """Most warps per norm-shrink program (``BLOCK_K / 512``, at least one)."""
-NORM_PASS_PROGRAMS = 0
-"""Most programs a one-step norm-shrink launch of one row per program may have before each program takes several rank
-blocks in turn (0: one rank block per program). A program then normalises its row once and loads one A tile after
-another (the first before the statistics, as ever). Meant for launches of programs so large that one fits a
-multiprocessor (14B q/k/v at 8 rows: 192 programs of rank block 4, 255 registers a thread; two waves on 132
-multiprocessors, one in passes of two). Not measured yet."""
+NORM_PASSES = 1
+"""Whether one-step norm-shrink launches of one row per program that would need more than one wave take several rank
+blocks per program in turn, as `norm_passes` gives (0: one rank block per program). Such a program normalises its row
+once and loads one A tile after another (the first before the statistics, as ever). Measured on an H100 (2026-12-07,
+`benchmarks/thirtyeighth_2026-12-07/`), µs per call, rank 32, one block a program -> passes: 14B q/k/v 6.4 -> 5.1 at
+8 rows (192 programs -> 96), 9.1 -> 6.5 at 16; 14B gate/up at 16 rows 6.4 -> 5.2; 7B q/k/v at 16 rows 6.4 -> 5.0; in
+the 14B decode step at batch 8 the norm shrinks' kernel time 0.505-0.508 -> 0.463-0.464 ms. Where the launch fits one
+wave it loses (7B q/k/v at 8 rows, 192 programs two a multiprocessor: 3.8 -> 4.0), hence the wave bound."""
+NORM_WIDE_COLUMNS = 8192
+"""Steps at least this wide (14B, 32B and 72B rows) make norm-shrink programs that fill a multiprocessor's registers
+alone at rank blocks of 2 and 4 (214 and 255 registers a thread over 8 warps, Triton 3.6; 176 and 230 with 3.9);
+narrower ones (7B: 4,096 columns, rank block 4, 128 registers) fit two. `norm_passes` counts a wave so."""
+NORM_WAVE_PROGRAMS = 0
+"""Multiprocessors `norm_passes` counts a wave by (0: the GPU's; on the CPU interpreter, no passes unless set)."""
 
 
 @triton.jit
@@ -361,14 +369,23 @@ def _rows_args(rows: int, width: int, lora_a: list[torch.Tensor], t: torch.Tenso
     return (blocks, splits), span, partials, counters, meta
 
 
-def norm_passes(rows: int, blocks: int, most: int | None = None) -> int:
-    """Rank blocks each program of a one-step norm-shrink launch takes in turn: the fewest that divide ``blocks`` and
-    bring ``rows x blocks`` programs within ``most`` (`NORM_PASS_PROGRAMS` unless given; 0: one block each), or all
-    ``blocks`` where none does."""
-    most = NORM_PASS_PROGRAMS if most is None else most
-    if most <= 0:
+def norm_passes(rows: int, blocks: int, columns: int, multiprocessors: int) -> int:
+    """Rank blocks each program of a one-step norm-shrink launch of ``rows x blocks`` programs takes in turn: one where
+    the launch fits one wave (``multiprocessors`` programs, twice as many for steps narrower than
+    `NORM_WIDE_COLUMNS`); else the fewest that divide ``blocks`` and bring the launch within ``multiprocessors``
+    programs (a program of several passes fills a multiprocessor's registers), or all ``blocks`` where none does."""
+    per_multiprocessor = 1 if columns >= NORM_WIDE_COLUMNS else 2
+    if not NORM_PASSES or multiprocessors <= 0 or rows * blocks <= per_multiprocessor * multiprocessors:
         return 1
-    return next((p for p in range(1, blocks + 1) if blocks % p == 0 and rows * blocks // p <= most), blocks)
+    fits = (p for p in range(1, blocks + 1) if blocks % p == 0 and rows * blocks // p <= multiprocessors)
+    return next(fits, blocks)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """`NORM_WAVE_PROGRAMS`, else the GPU's multiprocessors (0 off a GPU: no passes on the CPU interpreter)."""
+    if NORM_WAVE_PROGRAMS or device.type != "cuda":
+        return NORM_WAVE_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
@@ -384,7 +401,7 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     s = s if has_residual else h
     one_step = bool(NORM_ONE_STEP) and width <= columns
     blocks = t.shape[1] // block
-    passes = norm_passes(groups, blocks) if one_step and per_program == 1 else 1
+    passes = norm_passes(groups, blocks, columns, _multiprocessors(x.device)) if one_step and per_program == 1 else 1
     _norm_shrink_kernel[(groups, blocks // passes)](
         x, residual, weight, a0, a1, a2, s, h, t, rows, width, rank0, rank1, eps,
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
