@@ -533,3 +533,54 @@ def test_the_chooser_says_once_why_the_first_steps_of_a_new_shape_are_slow(caplo
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG] == [
         f"NVFP4: timing kernel candidates for {key}" for key in keys
     ]
+
+
+def test_choose_with_lora_times_the_epilogue_where_the_plain_choice_cannot_take_it(monkeypatch):
+    """`KernelChooser.choose_with_lora` with this call's LoRA inputs: a plain choice that cannot take the epilogue
+    (here the tiled kernel) is timed against the decode kernel with the terms in it (`_fastest_with_lora`, stubbed:
+    no GPU here); the winner is kept under the `lora_key` (`PLAIN_WITH_TERMS_AFTER` for the plain one), so the key
+    is not timed again. Without the inputs, while capturing, in the twiddled window or with autotuning off: the plain
+    choice, untimed; a plain decode-kernel choice is returned as before."""
+    monkeypatch.setattr(K, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")  # no GPU asked on CPU
+    monkeypatch.setattr(K.nvrtc, "device_index", lambda device: 0)
+    monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(K.twiddle, "active", lambda: False)
+    x = torch.empty(16, 5120, dtype=torch.bfloat16, device="meta")
+    weights = [(torch.empty(n, 2560, dtype=torch.uint8, device="meta"), None, None) for n in (5120, 1024, 1024)]
+    tiled, decode = K.TileConfig(2, 2, 4, 6), K.MMAConfig(2, 1, 4)
+    plain = {"choice": tiled}
+    monkeypatch.setattr(K, "chosen", lambda x, weights: plain["choice"])
+    timed = []
+
+    def fastest(self, x, weights, lora, key):
+        timed.append(key)
+        return winner
+
+    monkeypatch.setattr(K.KernelChooser, "_fastest_with_lora", fastest)
+    lora = object()  # only passed through to the stubbed timing
+    key = K.KernelChooser.lora_key(x, 7168, 5120, 3, 32)
+
+    chooser, winner = K.KernelChooser(autotune=True), decode
+    assert chooser.choose_with_lora(x, weights, 32) == tiled  # no inputs: nothing timed
+    assert chooser.choose_with_lora(x, weights, 32, lora) == decode and chooser.choices[key] == decode
+    assert chooser.choose_with_lora(x, weights, 32, lora) == decode and timed == [key]
+
+    chooser, winner = K.KernelChooser(autotune=True), K.PLAIN_WITH_TERMS_AFTER
+    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled
+    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and timed == [key, key]
+    assert chooser.choices[key] == K.PLAIN_WITH_TERMS_AFTER
+
+    chooser, winner = K.KernelChooser(autotune=False), decode
+    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and timed == [key, key]
+    chooser = K.KernelChooser(autotune=True)
+    monkeypatch.setattr(K.twiddle, "active", lambda: True)
+    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled
+    monkeypatch.setattr(K.twiddle, "active", lambda: False)
+    monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and timed == [key, key]
+    plain["choice"] = K.MMAConfig(1, 1, 4)
+    assert chooser.choose_with_lora(x, weights, 32, lora) == K.MMAConfig(1, 1, 4) and timed == [key, key]
+    plain["choice"] = tiled
+    monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(K, "TIME_WITH_LORA", False)
+    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and timed == [key, key]

@@ -347,6 +347,10 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
     with engine_environment("default+fused_shrink_16"):
         assert defaults() == shipped and fused_decode.FUSED_SHRINK_ROWS == 16
     assert fused_decode.FUSED_SHRINK_ROWS == fused_rows
+    time_with_lora = kernels.TIME_WITH_LORA
+    with engine_environment("default+untimed_lora"):
+        assert defaults() == shipped and kernels.TIME_WITH_LORA is False
+    assert kernels.TIME_WITH_LORA == time_with_lora
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
         assert defaults() == shipped

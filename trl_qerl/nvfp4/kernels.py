@@ -592,15 +592,57 @@ class KernelChooser:
         self.choices[key] = _fastest_call(calls, self.timings.setdefault(key, {})) or SEPARATE
         return self.choices[key]
 
-    def choose_with_lora(self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], rank: int) -> Choice:
+    def choose_with_lora(
+        self,
+        x: torch.Tensor,
+        weights: Sequence[cuda_mma.Weight],
+        rank: int,
+        lora: cuda_mma.LoraInputs | None = None,
+    ) -> Choice:
         """The choice for a launch that adds LoRA terms of ``rank`` in its epilogue: the table's `lora_key` entry
         where it has one (a decode-kernel instance timed with the epilogue), else the plain choice (`chosen`), which
         is timed without it (callers check `mma_usable`, as for `choose_group`). Measured on the H200 (7B, rank 32,
         2026-12-03): at one row the epilogue makes other instances the fastest for o and gate/up (5.3 vs 5.8 and
-        29.4 vs 30.8 µs per call)."""
+        29.4 vs 30.8 µs per call).
+
+        Where the plain choice cannot take the epilogue (a tiled, wgmma or dequantising choice) and ``lora`` (this
+        call's inputs) is given, the decode kernel's instances with the epilogue are timed against the plain choice
+        followed by the terms added after it (outside CUDA-graph capture and the twiddled window; `TIME_WITH_LORA`),
+        and the faster kept under the `lora_key` (`PLAIN_WITH_TERMS_AFTER` where the plain choice won). The plain choice alone is timed without its LoRA terms: at 14B and 16 rows (H100, 2026-12-07) the
+        tiled kernel and the decode kernel took alike for q/k/v and gate/up, so the pick flipped between runs, and
+        with the tiled kernel the terms after the product (fp32 cuBLAS, adds, casts) made the decode step 10.9-11.0
+        instead of 8.2 ms."""
         n = sum(w[0].shape[0] for w in weights)
-        tuned = self.choices.get(self.lora_key(x, n, x.shape[1], len(weights), rank))
-        return tuned if isinstance(tuned, MMAConfig) else chosen(x, weights)
+        key = self.lora_key(x, n, x.shape[1], len(weights), rank)
+        tuned = self.choices.get(key)
+        if isinstance(tuned, MMAConfig):
+            return tuned
+        plain = chosen(x, weights)
+        if lora is None or tuned is not None or isinstance(plain, MMAConfig) or not TIME_WITH_LORA:
+            return plain
+        if not self.autotune or twiddle.active() or torch.cuda.is_current_stream_capturing():
+            return plain
+        fastest = self._fastest_with_lora(x, weights, lora, key)
+        self.choices[key] = fastest if isinstance(fastest, MMAConfig) else PLAIN_WITH_TERMS_AFTER
+        return fastest if isinstance(fastest, MMAConfig) else plain
+
+    def _fastest_with_lora(
+        self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], lora: cuda_mma.LoraInputs, key: str
+    ) -> Choice | None:
+        """The fastest of the decode kernel's instances that fit the epilogue (`cuda_mma.lora_fits`), each timed
+        with ``lora``'s terms in it, and of the plain choice with the terms added after it (`product_then_lora`,
+        recorded as ``"plain + terms after"``)."""
+        self._note_timing(key)
+        n, k = sum(w[0].shape[0] for w in weights), x.shape[1]
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        no_bias = [None] * len(weights)
+        calls: dict[Choice, Callable[[], torch.Tensor]] = {
+            config: functools.partial(cuda_mma.matmul, x, weights, config, no_bias, lora=lora)
+            for config in cuda_mma.candidate_configs(x.shape[0], n, k, num_sms)
+            if cuda_mma.lora_fits(config)
+        }
+        calls[PLAIN_WITH_TERMS_AFTER] = functools.partial(product_then_lora, x, weights, no_bias, lora)
+        return _fastest_call(calls, self.timings.setdefault(key, {}))
 
     def _twiddled_choice(self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], key: str) -> Choice:
         """Inside `twiddle.twiddled_codes` only the window order's readers read the codes (`window_readers`: the
@@ -886,12 +928,29 @@ def grouped_linear_lora(
     elif usable:
         choice = None
         try:
-            choice = CHOOSER.choose_with_lora(x, weights, lora.rank)
+            choice = CHOOSER.choose_with_lora(x, weights, lora.rank, lora)
             if isinstance(choice, MMAConfig) and cuda_mma.lora_fits(choice) and _applies(choice, x, weights, True):
                 bias = [b.to(x.dtype) if b is not None else None for b in biases]
                 return cuda_mma.matmul(x, weights, choice, bias, lora=lora)
         except nvrtc.NVRTCError as error:
             _cuda_kernel_failed(x, choice, error)
+    return product_then_lora(x, weights, biases, lora)
+
+
+PLAIN_WITH_TERMS_AFTER = "plain + terms after"
+"""A `lora_key`'s entry where the plain choice with the LoRA terms added after the product timed faster than the
+decode kernel with the terms in its epilogue (`KernelChooser.choose_with_lora`)."""
+TIME_WITH_LORA = True
+"""Whether `KernelChooser.choose_with_lora` times the epilogue against a plain choice that cannot take it."""
+
+
+def product_then_lora(
+    x: torch.Tensor,
+    weights: Sequence[cuda_mma.Weight],
+    biases: Sequence[torch.Tensor | None],
+    lora: cuda_mma.LoraInputs,
+) -> torch.Tensor:
+    """The chooser's plain product of ``weights`` (with biases), then each weight's LoRA term added after it."""
     if len(weights) == 1:
         out = eager_linear(x, *weights[0])
         out = out + biases[0].to(out.dtype) if biases[0] is not None else out
@@ -1043,6 +1102,7 @@ def _(x, weight_packed, weight_scale, weight_global_scale, bias, hidden, lora_b,
 __all__ = [
     "AMPERE",
     "MMA_MAX_ROWS",
+    "PLAIN_WITH_TERMS_AFTER",
     "SEPARATE",
     "CHOOSER",
     "DEQUANT_CUBLAS",
@@ -1056,6 +1116,7 @@ __all__ = [
     "grouped_linear",
     "grouped_linear_lora",
     "mma_usable",
+    "product_then_lora",
     "dequantize_cuda",
     "device_path",
     "eager_grad_input",
