@@ -278,9 +278,10 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     first, at 1 to 8 rows per program, and with steps of 8,192 columns (a 14B or 72B row in one, in the rank blocks the
     launcher takes at 8 rows: 4). That last tile (4 x 8,192 fp32 over 8 warps) may keep a few words on the stack:
     48 bytes with Triton 3.3 and 3.6, none with 3.9; built so (Triton 3.6, H100, 2026-12-06) it was the faster layout,
-    14B gate/up at 8 rows 7.3 -> 3.9 µs (`_fused_shrink_kernel.NORM_TARGET_PROGRAMS`)."""
+    14B gate/up at 8 rows 7.3 -> 3.9 µs (`_fused_shrink_kernel.NORM_TARGET_PROGRAMS`). The same tile taking two rank
+    blocks in turn (`norm_passes`) keeps none (Triton 3.3.1, 3.6 and 3.9)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
-    assert len(resources) == 9
+    assert len(resources) == 10
     for kernel, usage in resources.items():
         stack = WIDE_NORM_TILE_STACK if kernel.endswith("row, rank block 4") else 0
         assert usage["STACK"] <= stack and usage["LOCAL"] == 0, f"{kernel}: {usage}"
@@ -319,6 +320,9 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
                           ONE_STEP=True, PASSES=1)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
         results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
+    constexprs = dict(constexprs, BLOCK_R=4, PASSES=2)  # 72B's row; 14B q/k/v at 8 rows in passes (`norm_passes`)
+    compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(8192, K.NORM_MAX_WARPS))
+    results["norm row of 8,192 in rank blocks of 4, two passes"] = resources_of(compiled.asm["cubin"], folder)
     return results
 
 

@@ -303,6 +303,38 @@ def test_a_lora_keyed_choice_is_taken_for_launches_with_the_epilogue(monkeypatch
 
 
 @needs_cuda
+def test_a_plain_choice_without_the_epilogue_is_timed_against_it_and_either_path_adds_the_terms(monkeypatch):
+    """`KernelChooser.choose_with_lora` on the GPU: the plain choice `SEPARATE` (no epilogue) is timed against the
+    decode kernel's instances with the terms in it; the winner is kept under the `lora_key`, and the op's output
+    matches the float64 reference whichever won, and along the other path too."""
+    from trl_qerl.nvfp4 import kernels as K
+
+    x, weights, biases, hidden, lora_b = _case(16, 1024, torch.bfloat16, "cuda", seed=11)
+    packed, scale, gs = (list(t) for t in zip(*weights))
+    expected = reference_with_lora(x, weights, biases, hidden, lora_b, SCALING)
+    chooser = K.KernelChooser(autotune=True)
+    chooser.choices[K.KernelChooser.key(x, sum(ROWS), 1024, 3)] = K.SEPARATE
+    monkeypatch.setattr(K, "CHOOSER", chooser)
+    monkeypatch.setattr(K, "TIME_WITH_LORA", True)
+
+    def op():
+        return torch.ops.trl_qerl.nvfp4_linear_grouped_lora(
+            x, packed, scale, gs, biases, hidden, lora_b, list(SCALING)
+        )
+
+    assert relative_error(expected, op()) < TOLERANCE
+    key = K.KernelChooser.lora_key(x, sum(ROWS), 1024, 3, 16)
+    won = chooser.choices[key]
+    assert isinstance(won, cuda_mma.MMAConfig) or won == K.PLAIN_WITH_TERMS_AFTER
+    assert K.PLAIN_WITH_TERMS_AFTER in chooser.timings[key] and len(chooser.timings[key]) > 1
+    fastest = min(chooser.timings[key], key=chooser.timings[key].get)
+    assert fastest == str(won)
+    other_path = K.PLAIN_WITH_TERMS_AFTER if isinstance(won, cuda_mma.MMAConfig) else cuda_mma.MMAConfig(1, 2, 4)
+    chooser.choices[key] = other_path
+    assert relative_error(expected, op()) < TOLERANCE
+
+
+@needs_cuda
 def test_graph_replays_read_new_activations_and_new_b_in_place():
     x, weights, biases, hidden, lora_b = _case(4, 512, torch.bfloat16, "cuda", seed=9)
     packed, scale, gs = (list(t) for t in zip(*weights))
