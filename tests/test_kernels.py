@@ -539,8 +539,9 @@ def test_choose_with_lora_times_the_epilogue_where_the_plain_choice_cannot_take_
     """`KernelChooser.choose_with_lora` with this call's LoRA inputs: a plain choice that cannot take the epilogue
     (here the tiled kernel) is timed against the decode kernel with the terms in it (`_fastest_with_lora`, stubbed:
     no GPU here); the winner is kept under the `lora_key` (`PLAIN_WITH_TERMS_AFTER` for the plain one), so the key
-    is not timed again. Without the inputs, while capturing, in the twiddled window or with autotuning off: the plain
-    choice, untimed; a plain decode-kernel choice is returned as before."""
+    is not timed again. Without the inputs, while capturing or with autotuning off: the plain
+    choice, untimed; a plain decode-kernel choice is returned as before. In the decode window (`twiddle.active`) the
+    timed choice has the window's key, as the plain choices there."""
     monkeypatch.setattr(K, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")  # no GPU asked on CPU
     monkeypatch.setattr(K.nvrtc, "device_index", lambda device: 0)
     monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -573,14 +574,18 @@ def test_choose_with_lora_times_the_epilogue_where_the_plain_choice_cannot_take_
     chooser, winner = K.KernelChooser(autotune=False), decode
     assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and timed == [key, key]
     chooser = K.KernelChooser(autotune=True)
-    monkeypatch.setattr(K.twiddle, "active", lambda: True)
-    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled
+    monkeypatch.setattr(K.twiddle, "active", lambda: True)  # the decode window: keys of its own, as plain choices
+    monkeypatch.setattr(K.twiddle, "lane_order", lambda: True)
+    assert chooser.choose_with_lora(x, weights, 32, lora) == decode and timed == [key, key, f"{key}|lanes"]
+    assert chooser.choices[f"{key}|lanes"] == decode and key not in chooser.choices
+    assert K.ChoiceKey.parse(f"{key}|lanes").window == "lanes"
     monkeypatch.setattr(K.twiddle, "active", lambda: False)
+    chooser = K.KernelChooser(autotune=True)
     monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and timed == [key, key]
+    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and len(timed) == 3
     plain["choice"] = K.MMAConfig(1, 1, 4)
-    assert chooser.choose_with_lora(x, weights, 32, lora) == K.MMAConfig(1, 1, 4) and timed == [key, key]
+    assert chooser.choose_with_lora(x, weights, 32, lora) == K.MMAConfig(1, 1, 4) and len(timed) == 3
     plain["choice"] = tiled
     monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(K, "TIME_WITH_LORA", False)
-    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and timed == [key, key]
+    assert chooser.choose_with_lora(x, weights, 32, lora) == tiled and len(timed) == 3

@@ -607,24 +607,27 @@ class KernelChooser:
 
         Where the plain choice cannot take the epilogue (a tiled, wgmma or dequantising choice) and ``lora`` (this
         call's inputs) is given, the decode kernel's instances with the epilogue are timed against the plain choice
-        followed by the terms added after it (outside CUDA-graph capture and the twiddled window; `TIME_WITH_LORA`),
-        and the faster kept under the `lora_key` (`PLAIN_WITH_TERMS_AFTER` where the plain choice won). The plain choice alone is timed without its LoRA terms: at 14B and 16 rows (H100, 2026-12-07) the
-        tiled kernel and the decode kernel took alike for q/k/v and gate/up, so the pick flipped between runs, and
-        with the tiled kernel the terms after the product (fp32 cuBLAS, adds, casts) made the decode step 10.9-11.0
-        instead of 8.2 ms."""
+        followed by the terms added after it (outside CUDA-graph capture; `TIME_WITH_LORA`), and the faster kept
+        under the `lora_key` (with the window's suffix inside `twiddle.twiddled_codes`, as `_twiddled_choice` keys
+        its choices; `PLAIN_WITH_TERMS_AFTER` where the plain choice won). The plain choice alone is timed without
+        its LoRA terms: at 14B and 16 rows (H100, 2026-12-07) the tiled kernel and the decode kernel took alike for
+        q/k/v and gate/up, so the pick flipped between runs, and with the tiled kernel the terms after the product
+        (fp32 cuBLAS, adds, casts) made the decode step 10.9-11.0 instead of 8.2 ms."""
         n = sum(w[0].shape[0] for w in weights)
         key = self.lora_key(x, n, x.shape[1], len(weights), rank)
         tuned = self.choices.get(key)
         if isinstance(tuned, MMAConfig):
             return tuned
         plain = chosen(x, weights)
-        if lora is None or tuned is not None or isinstance(plain, MMAConfig) or not TIME_WITH_LORA:
+        if lora is None or isinstance(plain, MMAConfig) or not TIME_WITH_LORA:
             return plain
-        if not self.autotune or twiddle.active() or torch.cuda.is_current_stream_capturing():
-            return plain
-        fastest = self._fastest_with_lora(x, weights, lora, key)
-        self.choices[key] = fastest if isinstance(fastest, MMAConfig) else PLAIN_WITH_TERMS_AFTER
-        return fastest if isinstance(fastest, MMAConfig) else plain
+        if twiddle.active():
+            key = f"{key}|lanes" if twiddle.lane_order() else f"{key}|twiddled"  # `ChoiceKey.window`
+        known = self.choices.get(key)
+        if known is None and self.autotune and not torch.cuda.is_current_stream_capturing():
+            fastest = self._fastest_with_lora(x, weights, lora, key)
+            known = self.choices[key] = fastest if isinstance(fastest, MMAConfig) else PLAIN_WITH_TERMS_AFTER
+        return known if isinstance(known, MMAConfig) else plain
 
     def _fastest_with_lora(
         self, x: torch.Tensor, weights: Sequence[cuda_mma.Weight], lora: cuda_mma.LoraInputs, key: str
