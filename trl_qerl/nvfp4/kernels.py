@@ -622,7 +622,7 @@ class KernelChooser:
         if lora is None or isinstance(plain, MMAConfig) or not TIME_WITH_LORA:
             return plain
         if twiddle.active():
-            key = f"{key}|lanes" if twiddle.lane_order() else f"{key}|twiddled"  # `ChoiceKey.window`
+            key = _window_key(key)
         known = self.choices.get(key)
         if known is None and self.autotune and not torch.cuda.is_current_stream_capturing():
             fastest = self._fastest_with_lora(x, weights, lora, key)
@@ -662,7 +662,7 @@ class KernelChooser:
         m, k = x.shape
         n = sum(w[0].shape[0] for w in weights)
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        window_key = f"{key}|lanes" if twiddle.lane_order() else f"{key}|twiddled"  # `ChoiceKey.window`
+        window_key = _window_key(key)
         if window_key not in self.choices:
             if not self.autotune or torch.cuda.is_current_stream_capturing():
                 return cuda_mma.heuristic_config(m, n, k, num_sms)
@@ -750,6 +750,11 @@ def _read_choice_table(path: str | os.PathLike) -> dict:
     if not isinstance(table, dict):
         raise ValueError(f"{path} is not a kernel-choice table (a JSON object of key -> choice)")
     return table
+
+
+def _window_key(key: str) -> str:
+    """``key`` inside `twiddle.twiddled_codes`: with the window's order (`ChoiceKey.window`), whose readers differ."""
+    return f"{key}|lanes" if twiddle.lane_order() else f"{key}|twiddled"
 
 
 _CUDA_KERNEL_CHOICES = (MMAConfig, TileConfig, WgmmaConfig)

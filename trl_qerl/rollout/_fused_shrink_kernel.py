@@ -135,6 +135,12 @@ def _adapter_rows(a0, a1, a2, first, width, rank0, rank1):
 
 
 @triton.jit
+def _a_tile(base, ranks, width, offsets, inside):
+    """The A rows ``ranks`` from ``base`` (rows of ``width``) at columns ``offsets``, zero outside ``inside``."""
+    return tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+
+
+@triton.jit
 def _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr):
     """The norm's input in fp32: ``x``, or ``x + residual`` rounded to OUT as the eager add rounds it."""
     x = tl.load(x_row + offsets, mask=inside, other=0.0).to(tl.float32)
@@ -194,7 +200,7 @@ def _norm_shrink_row(x_ptr, res_ptr, w_ptr, s_ptr, h_ptr, a, base, row, width, e
             x = _norm_input(x_row, res_row, offsets, inside, HAS_RESIDUAL, OUT)
             h = _norm_output(x, inverse, w_ptr, s_ptr + row * stride_s, h_ptr + row * stride_h, offsets, inside,
                              HAS_RESIDUAL, OUT)  # fmt: skip
-            tile = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+            tile = _a_tile(base, ranks, width, offsets, inside)
             acc += tl.sum(tile * h.to(tl.float32)[None, :], axis=1)
         normed = acc
     return acc, normed
@@ -228,7 +234,7 @@ def _norm_shrink_kernel(
     ranks = tl.arange(0, BLOCK_R)
     a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)  # (unused in two passes, which load A per step)
     if ONE_STEP:  # issued first: its latency overlaps the statistics of the rows
-        a = tl.load(base + ranks[:, None] * width + columns[None, :], mask=(columns < width)[None, :], other=0.0)
+        a = _a_tile(base, ranks, width, columns, columns < width)
     for i in tl.static_range(ROWS):
         row = tl.program_id(0) * ROWS + i
         if row < rows:
@@ -239,8 +245,7 @@ def _norm_shrink_kernel(
             for p in tl.static_range(1, PASSES):  # the program's further rank blocks, for the row's h
                 block_first = first + p * BLOCK_R
                 block_base = _adapter_rows(a0, a1, a2, block_first, width, rank0, rank1)
-                tile = tl.load(block_base + ranks[:, None] * width + columns[None, :], mask=(columns < width)[None, :],
-                               other=0.0)  # fmt: skip
+                tile = _a_tile(block_base, ranks, width, columns, columns < width)
                 tl.store(t_ptr + row * stride_t + block_first + ranks, tl.sum(tile * h[None, :], axis=1))
 
 
@@ -268,7 +273,7 @@ def _silu_mul_shrink_kernel(
         y = _round(activated * up, OUT)
         if block == 0:
             tl.store(y_ptr + row * stride_y + offsets, y, mask=inside)
-        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+        a = _a_tile(base, ranks, width, offsets, inside)
         acc += tl.sum(a * y.to(tl.float32)[None, :], axis=1)
     slot = row * tl.num_programs(1) + block
     targets = t_ptr + row * stride_t + first + ranks
@@ -300,7 +305,7 @@ def _silu_mul_shrink_rows_kernel(
         y = _round(activated * up.to(tl.float32), OUT)
         if tl.program_id(0) == 0:
             tl.store(y_ptr + row_ids[:, None] * stride_y + offsets[None, :], y, mask=mask)
-        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+        a = _a_tile(base, ranks, width, offsets, inside)
         acc += y.to(tl.float32)[:, None, :] * a[None, :, :]
     tile = row_ids[:, None] * BLOCK_R + ranks[None, :]
     targets = t_ptr + row_ids[:, None] * stride_t + first + ranks[None, :]
