@@ -10,13 +10,16 @@ and an fp32 model), compared by opcodes (kernel parameters added or reordered ch
 with registers and stack; a kernel only the working tree has is listed with its resources. ``--kernels fused-shrink``:
 the LoRA shrinks' Triton kernels (`rollout._fused_shrink_kernel`) for sm_90 at 7B widths, rank 32 (the norm shrink
 at one row in one step and in two passes; SiLU·up per row and over every row, whole and split into 4 spans), compared
-the same way. Exit status 1 if any instance differs.
+the same way. ``--kernels lora-rows``: the row shrinks of `rollout._lora_rows_kernel` for sm_90 at 64 rows, rank 32
+(3xTF32 and FMAs; the spans' sum in one level and in groups), compared the same way. Exit status 1 if any instance
+differs.
 
 Usage:
     python scripts/compare_sass.py --against 258ccad
     python scripts/compare_sass.py --kernels wgmma --against HEAD
     python scripts/compare_sass.py --kernels split-kv --against 025d468
     python scripts/compare_sass.py --kernels fused-shrink --against HEAD
+    python scripts/compare_sass.py --kernels lora-rows --against HEAD
 """
 
 from __future__ import annotations
@@ -128,6 +131,14 @@ def _compare_builds(before: dict, now: dict) -> int:
     return differing
 
 
+def _compare_rollout_module(revision: str, name: str, builds) -> int:
+    """Differing builds (by opcodes) of the Triton kernel module ``trl_qerl.rollout.<name>`` between ``revision`` and
+    the working tree; ``builds(module, folder)`` compiles a module's instances."""
+    module = importlib.import_module(f"trl_qerl.rollout.{name}")
+    folder = Path(tempfile.mkdtemp())
+    return _compare_builds(builds(_module_at(revision, module, folder), folder), builds(module, folder))
+
+
 def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
     """Opcodes and resources of the split-KV kernels compiled for sm_90 at 7B decode shapes (28 query heads over 4
     key/value heads, head dim 128, 8 chunks), with the arguments ``module``'s kernels take."""
@@ -148,11 +159,7 @@ def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[st
 
 def compare_split_kv(revision: str) -> int:
     """Differing split-KV kernels (by opcodes); kernels new in the working tree are listed, not counted."""
-    from trl_qerl.rollout import _split_kv_kernel
-
-    folder = Path(tempfile.mkdtemp())
-    before = _split_kv_builds(_module_at(revision, _split_kv_kernel, folder), folder)
-    return _compare_builds(before, _split_kv_builds(_split_kv_kernel, folder))
+    return _compare_rollout_module(revision, "_split_kv_kernel", _split_kv_builds)
 
 
 def _fused_shrink_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
@@ -182,16 +189,32 @@ def _fused_shrink_builds(module, folder: Path) -> dict[str, tuple[list[str], dic
 
 def compare_fused_shrink(revision: str) -> int:
     """Differing fused-shrink kernels (by opcodes); kernels new in the working tree are listed, not counted."""
-    from trl_qerl.rollout import _fused_shrink_kernel
+    return _compare_rollout_module(revision, "_fused_shrink_kernel", _fused_shrink_builds)
 
-    folder = Path(tempfile.mkdtemp())
-    before = _fused_shrink_builds(_module_at(revision, _fused_shrink_kernel, folder), folder)
-    return _compare_builds(before, _fused_shrink_builds(_fused_shrink_kernel, folder))
+
+def _lora_rows_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[str, int]]]:
+    """Opcodes and resources of the row shrinks compiled for sm_90 as ``module`` launches them at 64 rows, rank 32:
+    3xTF32 and FMAs (`SHRINK_MODE` 1, 2), the spans' sum in one level and in groups."""
+    builds = {}
+    for mode in (1, 2):
+        block_r = module.FMA_BLOCK_R if mode == 2 else 32
+        for splits, (per_group, groups) in ((4, (4, 1)), (64, (8, 8))):
+            constexprs = dict(BLOCK_M=64, BLOCK_R=block_r, BLOCK_K=module.step_columns(mode), SPLITS=splits, MODE=mode,
+                              GROUPS=groups, PER_GROUP=per_group)  # fmt: skip
+            builds[f"shrink mode {mode}, {splits} spans in {groups} groups"] = _build(
+                module._shrink_rows_kernel, constexprs, "bf16", folder, module.WARPS
+            )
+    return builds
+
+
+def compare_lora_rows(revision: str) -> int:
+    """Differing row-shrink kernels (by opcodes); kernels new in the working tree are listed, not counted."""
+    return _compare_rollout_module(revision, "_lora_rows_kernel", _lora_rows_builds)
 
 
 COMPARISONS = {
     "cuda-mma": compare_cuda_mma, "wgmma": compare_wgmma, "split-kv": compare_split_kv,
-    "fused-shrink": compare_fused_shrink,
+    "fused-shrink": compare_fused_shrink, "lora-rows": compare_lora_rows,
 }  # fmt: skip
 
 

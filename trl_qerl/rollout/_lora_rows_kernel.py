@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..nvfp4.cuda_mma import arrival_counters
 from ._arrival_kernel import last_to_arrive, reset_arrivals
-from ._fused_shrink_kernel import _DTYPES, _adapter_args, _adapter_rows, _round, _store_splits
+from ._fused_shrink_kernel import _DTYPES, _a_tile, _adapter_args, _adapter_rows, _round, _store_splits
 
 
 BLOCK_K = 64
@@ -87,7 +87,7 @@ def _shrink_rows_kernel(
         inside = offsets < high
         x = tl.load(x_ptr + row_ids[:, None] * stride_x + offsets[None, :], mask=live[:, None] & inside[None, :],
                     other=0.0).to(tl.float32)  # fmt: skip
-        a = tl.load(base + ranks[:, None] * width + offsets[None, :], mask=inside[None, :], other=0.0)
+        a = _a_tile(base, ranks, width, offsets, inside)
         if MODE == 2:
             wide += x[:, None, :] * a[None, :, :]
         else:
