@@ -197,10 +197,11 @@ def _lora_rows_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[s
     3xTF32 and FMAs (`SHRINK_MODE` 1, 2), the spans' sum in one level and in groups."""
     builds = {}
     for mode in (1, 2):
-        block_r = module.FMA_BLOCK_R if mode == 2 else 32
-        for splits, (per_group, groups) in ((4, (4, 1)), (64, (8, 8))):
-            constexprs = dict(BLOCK_M=64, BLOCK_R=block_r, BLOCK_K=module.step_columns(mode), SPLITS=splits, MODE=mode,
-                              GROUPS=groups, PER_GROUP=per_group)  # fmt: skip
+        for splits in (4, 64):
+            per_group, groups = module.split_groups(splits)
+            constexprs = dict(BLOCK_M=module.block_m(64), BLOCK_R=module.rank_block([32], mode),
+                              BLOCK_K=module.step_columns(mode), SPLITS=splits, MODE=mode, GROUPS=groups,
+                              PER_GROUP=per_group)  # fmt: skip
             builds[f"shrink mode {mode}, {splits} spans in {groups} groups"] = _build(
                 module._shrink_rows_kernel, constexprs, "bf16", folder, module.WARPS
             )
