@@ -122,11 +122,13 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+rotary_in_attention": dict(engine="auto"),
            "default+fused_shrink_16": dict(engine="auto"),
            "default+untimed_lora": dict(engine="auto"),
-           "default+shrink_settings": dict(engine="auto")}  # fmt: skip
+           "default+shrink_settings": dict(engine="auto"),
+           "default+pdl": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
-``+pdl``: the NVFP4 decode kernel launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
-captures and runs). ``+compact``: rows still decoding move to a smaller step once at most half are left
+``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
+captures and runs): the NVFP4 decode kernel and, since 2026-12-07, the rollout's Triton kernels (`rollout._pdl_kernel`;
+the ``fused+compile+pdl`` engines measured the NVFP4 kernel alone on 2026-12-02). ``+compact``: rows still decoding move to a smaller step once at most half are left
 (`StaticCacheGenerator(compact_finished=True)`; measure it with ``--eos-rate``). ``+lora_unfused``: LoRA terms
 expanded by their own kernels instead of the NVFP4 kernel's epilogue (`fused_decode.LORA_EPILOGUE` False while that
 engine compiles and captures; the default engines above add them in the epilogue). ``+shrink_unfused``: the LoRA
@@ -169,7 +171,7 @@ named engines; captured states keep their order; the generator's default since 2
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
-``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
+``+pdl``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
 the named engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the
 chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines time their
 keys themselves. Compare them with ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
@@ -187,6 +189,7 @@ OWN_CHOICE_ENGINES = {
     "+rotary_in_attention": (fused_decode, {"ROTARY_IN_ATTENTION": True}),
     "+fused_shrink_16": (fused_decode, {"FUSED_SHRINK_ROWS": 16}),
     "+untimed_lora": (kernels, {"TIME_WITH_LORA": False}),
+    "+pdl": (cuda_mma, {"PROGRAMMATIC": True}),
     "+own_choices": (kernels, {}),
 }
 """Engine suffixes and the module settings (`module_settings`) that change which kernels the chooser times: without the wgmma kernel's spread
@@ -198,7 +201,8 @@ and the cache writes made in the attention's partials launch (`fused_decode.ROTA
 either), with the fused norm and SiLU·up shrinks up to 16 rows (`fused_decode.FUSED_SHRINK_ROWS` 16: measured slower
 at 16 rows on 2026-12-02, before the norm shrinks' rank blocks of 2026-12-06 took 9.2 / 6.6 instead of 11.5 / 8.2 µs
 at 14B; no kernel choice), with the plain choice taken for a launch with LoRA terms without timing the epilogue against
-it (`kernels.TIME_WITH_LORA` False, as before 2026-12-07), and none (the control)."""
+it (`kernels.TIME_WITH_LORA` False, as before 2026-12-07), with the step's own kernels launched with Programmatic
+Dependent Launch (`cuda_mma.PROGRAMMATIC`; the kernels it times run so too), and none (the control)."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""

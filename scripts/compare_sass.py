@@ -105,11 +105,12 @@ def _module_at(revision: str, module, folder: Path):
 def _build(kernel, constexprs: dict, model: str, folder: Path, num_warps: int = 4):
     """(opcodes, resources) of ``kernel`` compiled for sm_90: arguments typed as the launchers pass them for a
     ``model`` ("bf16", "fp32") model (`rollout_argument_types`), those in ``constexprs`` (and present in this
-    kernel's signature) fixed."""
+    kernel's signature) fixed; ``PDL`` False unless given (the build launched without Programmatic Dependent Launch,
+    `rollout._pdl_kernel`, which revisions before it do not take)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
+    constexprs = {name: value for name, value in {"PDL": False, **constexprs}.items() if name in kernel.arg_names}
     signature = triton_signature(kernel, constexprs, rollout_argument_types(model))
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))  # fmt: skip
@@ -144,16 +145,20 @@ def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[st
     key/value heads, head dim 128, 8 chunks), with the arguments ``module``'s kernels take."""
     import triton.language as tl
 
+    from trl_qerl.rollout import decode_attention as attention
+
     shape = dict(KV_HEADS=4, GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SPLITS=8, SPLITS_PAD=8,
                  MIN_STAT=float(torch.finfo(torch.float32).min))  # fmt: skip
-    builds = {"merge": _build(module._merge_kernel, shape, "bf16", folder)}
+    tiles = dict(DIM_BLOCK=attention.MERGE_DIM_BLOCK, SPLIT_BLOCK=attention.MERGE_SPLITS)
+    builds = {"merge": _build(module._merge_kernel, dict(shape, CHUNK=64, **tiles), "bf16", folder)}
     merges = (False, True) if "MERGE" in module._partials_kernel.arg_names else (False,)
     for dtype, name in ((tl.bfloat16, "bf16"), (tl.float32, "fp32")):
         for merge in merges:
             precision = "ieee" if name == "fp32" else "tf32"
-            constexprs = dict(shape, CHUNK=64, BLOCK=32, DOT_DTYPE=dtype, DOT_PRECISION=precision, MERGE=merge)
+            constexprs = dict(shape, CHUNK=64, BLOCK=32, DOT_DTYPE=dtype, DOT_PRECISION=precision, MERGE=merge,
+                              ROTARY=False, IO=dtype, **{f"MERGE_{key}": value for key, value in tiles.items()})  # fmt: skip
             label = f"partials {name}" + (" + merge" if merge else "")
-            builds[label] = _build(module._partials_kernel, constexprs, name, folder)
+            builds[label] = _build(module._partials_kernel, constexprs, name, folder, attention.PARTIALS_WARPS)
     return builds
 
 

@@ -305,19 +305,20 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
     results = {}
     for rows, splits in ((16, 2), (8, 1), (8, 4)):
         padded, block, columns, _ = K.rows_layout(rows, 18944, [32])
-        constexprs = dict(OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits)
+        constexprs = dict(OUT=triton.language.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=splits,
+                          PDL=False)  # fmt: skip
         compiled = compile_for_hopper(K._silu_mul_shrink_rows_kernel, constexprs, K.ROWS_WARPS)
         results[f"silu {rows} {splits}"] = resources_of(compiled.asm["cubin"], folder)
     for rows, block in ((1, 2), (2, 2), (4, 1), (8, 1)):  # the widest A tile `rank_block` gives at 7B width
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=K.block_k(3584),
-                          ROWS=rows, ONE_STEP=True, PASSES=1)  # fmt: skip
+                          ROWS=rows, ONE_STEP=True, PASSES=1, PDL=False)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(4096))
         results[f"norm {rows} rows"] = resources_of(compiled.asm["cubin"], folder)
     for name, width in (("14B", 5120), ("72B", 8192)):  # one step of `NORM_MAX_BLOCK_K`, the widest A tile
         columns = K.block_k(width, K.NORM_MAX_BLOCK_K)
         block = K.rank_block(8, [32] * 3, columns, K.NORM_TILE, K.NORM_TARGET_PROGRAMS)
         constexprs = dict(HAS_RESIDUAL=True, OUT=triton.language.bfloat16, BLOCK_R=block, BLOCK_K=columns, ROWS=1,
-                          ONE_STEP=True, PASSES=1)  # fmt: skip
+                          ONE_STEP=True, PASSES=1, PDL=False)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
         results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
     constexprs = dict(constexprs, BLOCK_R=4, PASSES=2)  # 72B's row; 14B q/k/v at 8 rows in passes (`norm_passes`)

@@ -97,18 +97,18 @@ def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
     if capability >= 80:
         for one_step in (True, False):
             constexprs = {"HAS_RESIDUAL": True, "OUT": _tl(t), "BLOCK_R": 2, "BLOCK_K": 4096, "ROWS": 1,
-                          "ONE_STEP": one_step, "PASSES": 1}  # fmt: skip
+                          "ONE_STEP": one_step, "PASSES": 1, "PDL": False}  # fmt: skip
             specs[f"norm shrink {'one step' if one_step else 'two passes'} {t}"] = rollout(
                 "shrink._norm_shrink_kernel", constexprs, shrink._warps(4096)
             )
         padded, block, columns, _ = shrink.rows_layout(8, 18944, [32])
         specs[f"silu shrink over 8 rows, 4 spans {t}"] = rollout(
             "shrink._silu_mul_shrink_rows_kernel",
-            {"OUT": _tl(t), "ROWS": padded, "BLOCK_R": block, "BLOCK_K": columns, "SPLITS": 4},
+            {"OUT": _tl(t), "ROWS": padded, "BLOCK_R": block, "BLOCK_K": columns, "SPLITS": 4, "PDL": False},
             shrink.ROWS_WARPS,
         )
     shape = {"KV_HEADS": 4, "GROUP": 7, "GROUP_PAD": 16, "HEAD_DIM": 128, "SPLITS": 8, "SPLITS_PAD": 8,
-             "MIN_STAT": float(torch.finfo(torch.float32).min)}  # fmt: skip
+             "MIN_STAT": float(torch.finfo(torch.float32).min), "PDL": False}  # fmt: skip
     from trl_qerl.rollout import decode_attention as attention
 
     block = attention.BLOCK

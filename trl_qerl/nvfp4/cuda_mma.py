@@ -428,10 +428,18 @@ PDL_BUILD = ("-DNVFP4_PDL=1",)
 Launch"); the default build has no PDL instructions."""
 
 
+PROGRAMMATIC: bool | None = None
+"""Programmatic Dependent Launch of the decode step's own kernels: the NVFP4 decode products here and the rollout's
+Triton kernels (`trl_qerl.rollout._pdl_kernel`), each free to start while the kernel before it finishes. ``None``:
+the ``NVFP4_PDL`` environment variable decides (``1``: on; off by default). Read at each launch: a captured CUDA
+graph keeps the launches it recorded."""
+
+
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether launches use Programmatic Dependent Launch (and the `PDL_BUILD`): ``NVFP4_PDL=1`` on sm_90+; off by
-    default until it is measured in a decode step."""
-    return os.environ.get("NVFP4_PDL", "0") == "1" and torch.cuda.get_device_capability(device) >= (9, 0)
+    """Whether launches on ``device`` use Programmatic Dependent Launch (and the `PDL_BUILD`): `PROGRAMMATIC` (or
+    ``NVFP4_PDL=1``) on an sm_90+ GPU, never elsewhere."""
+    asked = PROGRAMMATIC if PROGRAMMATIC is not None else os.environ.get("NVFP4_PDL", "0") == "1"
+    return bool(asked) and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[MMAConfig]:

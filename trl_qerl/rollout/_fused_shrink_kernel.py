@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ..nvfp4.cuda_mma import arrival_counters
 from ._arrival_kernel import last_to_arrive, reset_arrivals
+from ._pdl_kernel import allow_next_kernel, launch_options, wait_for_previous_kernel
 
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -225,7 +226,7 @@ def _norm_shrink_kernel(
     x_ptr, res_ptr, w_ptr, a0, a1, a2, s_ptr, h_ptr, t_ptr,
     rows, width, rank0, rank1, eps, stride_x, stride_res, stride_s, stride_h, stride_t,
     HAS_RESIDUAL: tl.constexpr, OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr, ONE_STEP: tl.constexpr, PASSES: tl.constexpr,
+    ROWS: tl.constexpr, ONE_STEP: tl.constexpr, PASSES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(PASSES == 1 or (ONE_STEP and ROWS == 1), "rank blocks in passes need one row in one step")
     first = tl.program_id(1) * PASSES * BLOCK_R
@@ -233,8 +234,10 @@ def _norm_shrink_kernel(
     base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
     ranks = tl.arange(0, BLOCK_R)
     a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)  # (unused in two passes, which load A per step)
-    if ONE_STEP:  # issued first: its latency overlaps the statistics of the rows
-        a = _a_tile(base, ranks, width, columns, columns < width)
+    if ONE_STEP:  # issued first: its latency overlaps the statistics of the rows (and, launched with PDL, the
+        a = _a_tile(base, ranks, width, columns, columns < width)  # kernel before this one: no kernel writes A)
+    wait_for_previous_kernel(PDL)
+    allow_next_kernel(PDL)
     for i in tl.static_range(ROWS):
         row = tl.program_id(0) * ROWS + i
         if row < rows:
@@ -253,8 +256,10 @@ def _norm_shrink_kernel(
 def _silu_mul_shrink_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
     width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
-    OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(PDL)
+    allow_next_kernel(PDL)
     row = tl.program_id(0)
     block = tl.program_id(1)
     first = block * BLOCK_R
@@ -285,7 +290,10 @@ def _silu_mul_shrink_rows_kernel(
     gate_ptr, up_ptr, a0, a1, a2, y_ptr, t_ptr, partial_ptr, count_ptr,
     rows, width, span, rank0, rank1, stride_gate, stride_up, stride_y, stride_t,
     OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(PDL)
+    allow_next_kernel(PDL)
     row_ids = tl.arange(0, ROWS)
     live = row_ids < rows
     first = tl.program_id(0) * BLOCK_R
@@ -412,6 +420,7 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
         HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns,
         ROWS=per_program, ONE_STEP=one_step, PASSES=passes, num_warps=_warps(columns, NORM_MAX_WARPS),
+        **launch_options(x.device),
     )  # fmt: skip
 
 
@@ -425,6 +434,7 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
         _silu_mul_shrink_rows_kernel[grid](
             gate, up, a0, a1, a2, y, t, partials, counters, rows, width, span, rank0, rank1,
             gate.stride(0), up.stride(0), y.stride(0), t.stride(0), OUT=_DTYPES[y.dtype], **meta,
+            **launch_options(gate.device),
         )  # fmt: skip
         return
     block = rank_block(rows, [a.shape[0] for a in lora_a], block_k(width))
@@ -439,4 +449,5 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
         gate, up, a0, a1, a2, y, t, partials, counters, width, span, rank0, rank1,
         gate.stride(0), up.stride(0), y.stride(0), t.stride(0),
         OUT=_DTYPES[y.dtype], BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=_warps(columns),
+        **launch_options(gate.device),
     )  # fmt: skip

@@ -11,6 +11,7 @@ import triton.language as tl
 from ..nvfp4.cuda_mma import arrival_counters
 from ._arrival_kernel import last_to_arrive, reset_arrivals
 from ._fused_shrink_kernel import _DTYPES, _round
+from ._pdl_kernel import allow_next_kernel, launch_options, wait_for_previous_kernel
 
 
 _IO_DTYPES = {**_DTYPES, torch.float32: tl.float32}  # a strict lookup: another dtype is a KeyError, not fp32 reads
@@ -38,7 +39,10 @@ def _partials_kernel(
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MIN_STAT: tl.constexpr, MERGE: tl.constexpr,
     MERGE_DIM_BLOCK: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr, ROTARY: tl.constexpr, IO: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(PDL)
+    allow_next_kernel(PDL)
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     row = row_head // KV_HEADS
@@ -112,8 +116,10 @@ def _merge_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr, position_ptr, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr, MIN_STAT: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr, MIN_STAT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous_kernel(PDL)
+    allow_next_kernel(PDL)
     if CHUNK > 0:
         used = _chunks_used(tl.load(position_ptr), CHUNK, SPLITS)
     else:
@@ -177,7 +183,7 @@ def merge(acc, maxima, sums, out, min_stat: float, cache_position=None, chunk: i
         acc, maxima, sums, out, cache_position if bounded else acc, out.stride(0), out.stride(1),
         KV_HEADS=heads // group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         CHUNK=chunk if bounded else 0, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM_BLOCK=dim_block,
-        SPLIT_BLOCK=split_block, MIN_STAT=min_stat,
+        SPLIT_BLOCK=split_block, MIN_STAT=min_stat, **launch_options(acc.device),
     )  # fmt: skip
 
 
@@ -232,7 +238,7 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
         CHUNK=chunk, BLOCK=block, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MIN_STAT=min_stat, MERGE=merged, MERGE_DIM_BLOCK=dim_block, MERGE_SPLIT_BLOCK=split_block,
-        ROTARY=rotary is not None, IO=_IO_DTYPES[q.dtype], num_warps=num_warps,
+        ROTARY=rotary is not None, IO=_IO_DTYPES[q.dtype], num_warps=num_warps, **launch_options(q.device),
     )  # fmt: skip
 
 

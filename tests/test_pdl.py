@@ -1,0 +1,169 @@
+"""Programmatic Dependent Launch of the decode step's own kernels: the switch (`cuda_mma.PROGRAMMATIC`), the contract
+the rollout's Triton kernels keep in their PDL builds (`rollout._pdl_kernel`), and, on an sm_90 GPU, a decode step
+whose kernels launch so giving the tokens of one whose kernels do not."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _sass import compiled_in_subprocess, cuobjdump
+
+from trl_qerl.nvfp4 import cuda_mma
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+STORES = ("STG", "ST.", "RED", "ATOM")
+
+
+@pytest.fixture
+def hopper_capability(monkeypatch):
+    """``torch.cuda.get_device_capability`` answering ``(9, 0)`` (set ``value`` to change it) and no ``NVFP4_PDL``."""
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.delenv("NVFP4_PDL", raising=False)
+    return capability
+
+
+def test_programmatic_launch_follows_the_setting_then_the_environment_on_sm_90_only(monkeypatch, hopper_capability):
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert cuda_mma.PROGRAMMATIC is None and not cuda_mma.programmatic_launch(gpu)  # off by default
+    monkeypatch.setenv("NVFP4_PDL", "1")
+    assert cuda_mma.programmatic_launch(gpu) and not cuda_mma.programmatic_launch(cpu)
+    monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", False)  # the module setting wins over the environment
+    assert not cuda_mma.programmatic_launch(gpu)
+    monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", True)
+    monkeypatch.delenv("NVFP4_PDL")
+    assert cuda_mma.programmatic_launch(gpu) and not cuda_mma.programmatic_launch(cpu)
+    hopper_capability["value"] = (8, 9)  # no griddepcontrol before sm_90
+    assert not cuda_mma.programmatic_launch(gpu)
+
+
+def test_triton_launches_ask_for_pdl_only_where_it_runs(monkeypatch, hopper_capability):
+    from trl_qerl.rollout._pdl_kernel import launch_options
+
+    gpu = torch.device("cuda", 0)
+    assert launch_options(gpu) == {"PDL": False}
+    monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", True)
+    assert launch_options(gpu) == {"PDL": True, "launch_pdl": True}
+    assert launch_options(torch.device("cpu")) == {"PDL": False}  # (the interpreter: no launch option, no wait)
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+def test_pdl_builds_read_and_write_nothing_of_other_kernels_before_waiting(tmp_path):
+    """Compiled for sm_90 (Triton's toolchain, in a subprocess: this session runs the interpreter): each of the step's
+    Triton kernels built with ``PDL`` waits (``griddepcontrol.wait``, SASS ``ACQBULK``) before any store or atomic,
+    and lets the next launch start (``PREEXIT``); none but the norm shrink loads anything before the wait (it loads
+    its LoRA A tile, which no kernel of the step writes). Built without, they hold neither instruction."""
+    builds = compiled_in_subprocess(__file__, tmp_path)
+    assert len(builds) == 10
+    for label, ops in builds.items():
+        kernel, pdl = label.rsplit(" ", 1)
+        if pdl == "plain":
+            assert "ACQBULK" not in ops and "PREEXIT" not in ops, label
+            continue
+        assert "PREEXIT" in ops and "ACQBULK" in ops, label
+        wait = ops.index("ACQBULK")
+        assert not any(op.startswith(STORES) for op in ops[:wait]), (label, ops[:wait])
+        if not kernel.startswith("norm"):
+            assert not any(op.startswith("LDG") for op in ops[:wait]), (label, ops[:wait])
+
+
+def _pdl_builds(folder: Path) -> dict[str, list[str]]:
+    """Opcodes of the step's Triton kernels at 7B decode shapes (rank 32), compiled for sm_90 with and without PDL."""
+    import triton.language as tl
+    from _sass import opcodes, rollout_argument_types, sass_of, triton_signature
+    from triton import compile as compile_source
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trl_qerl.rollout import _fused_shrink_kernel as shrink
+    from trl_qerl.rollout import _split_kv_kernel as split_kv
+    from trl_qerl.rollout import decode_attention as attention
+
+    padded, block, columns, _ = shrink.rows_layout(8, 18944, [32])
+    shape = dict(KV_HEADS=4, GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SPLITS=8, SPLITS_PAD=8, CHUNK=128,
+                 MIN_STAT=float(torch.finfo(torch.float32).min))  # fmt: skip
+    tiles = dict(DIM_BLOCK=attention.MERGE_DIM_BLOCK, SPLIT_BLOCK=attention.MERGE_SPLITS)
+    kernels = {
+        "norm shrink": (
+            shrink._norm_shrink_kernel,
+            dict(HAS_RESIDUAL=True, OUT=tl.bfloat16, BLOCK_R=2, BLOCK_K=4096, ROWS=1, ONE_STEP=True, PASSES=1),
+            shrink._warps(4096),
+        ),
+        "silu shrink per row": (
+            shrink._silu_mul_shrink_kernel,
+            dict(OUT=tl.bfloat16, BLOCK_R=1, BLOCK_K=4096, SPLITS=4),
+            shrink._warps(4096),
+        ),
+        "silu shrink over rows": (
+            shrink._silu_mul_shrink_rows_kernel,
+            dict(OUT=tl.bfloat16, ROWS=padded, BLOCK_R=block, BLOCK_K=columns, SPLITS=4),
+            shrink.ROWS_WARPS,
+        ),
+        "partials": (
+            split_kv._partials_kernel,
+            dict(
+                shape,
+                BLOCK=attention.BLOCK,
+                DOT_DTYPE=tl.bfloat16,
+                DOT_PRECISION="tf32",
+                MERGE=False,
+                MERGE_DIM_BLOCK=tiles["DIM_BLOCK"],
+                MERGE_SPLIT_BLOCK=tiles["SPLIT_BLOCK"],
+                ROTARY=False,
+                IO=tl.bfloat16,
+            ),
+            attention.PARTIALS_WARPS,
+        ),
+        "merge": (split_kv._merge_kernel, dict(shape, **tiles), 4),
+    }
+    builds = {}
+    for label, (kernel, constexprs, warps) in kernels.items():
+        for pdl in (False, True):
+            fixed = dict(constexprs, PDL=pdl)
+            source = ASTSource(fn=kernel, constexprs=fixed,
+                               signature=triton_signature(kernel, fixed, rollout_argument_types("bf16")))  # fmt: skip
+            compiled = compile_source(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+            builds[f"{label} {'pdl' if pdl else 'plain'}"] = opcodes(sass_of(compiled.asm["cubin"], folder))
+    return builds
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_decode_step_launched_with_pdl_draws_the_same_tokens(monkeypatch, batch):
+    """4 layers at Qwen2.5-7B widths, NVFP4 + LoRA r32, bf16, the generator's defaults (compiled, captured): greedy
+    tokens and their log-probs with every kernel of ours launched with PDL equal those launched without, bit for bit
+    (the same kernels in the same order; only when each may start differs). Batch 1 takes the per-row SiLU·up shrink,
+    batch 4 the one over every row."""
+    from _tiny import randomize_lora_b
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trl_qerl.lora import get_peft_model, nvfp4_lora_config
+    from trl_qerl.quantizer import quantize_model
+    from trl_qerl.rollout.fast import SamplingParams, StaticCacheGenerator
+
+    config = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=4, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model = quantize_model(model)
+    model = randomize_lora_b(get_peft_model(model, nvfp4_lora_config(model, r=32)), std=0.01).eval()
+    prompts = torch.randint(3, config.vocab_size, (batch, 40)).tolist()
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    samples = []
+    for programmatic in (False, True):  # (the first run times the kernel choices; the second reuses them)
+        monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", programmatic)
+        samples.append(StaticCacheGenerator(model).sample(prompts, params, [1], 0))
+    plain, pdl = samples
+    assert all(len(row) == 32 for row in pdl.completion_ids)
+    assert pdl.completion_ids == plain.completion_ids
+    assert pdl.logprobs == plain.logprobs
+
+
+if __name__ == "__main__":  # the compiling subprocess: python test_pdl.py <results.json>
+    Path(sys.argv[1]).write_text(json.dumps(_pdl_builds(Path(sys.argv[1]).parent)))
