@@ -123,7 +123,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+fused_shrink_16": dict(engine="auto"),
            "default+untimed_lora": dict(engine="auto"),
            "default+shrink_settings": dict(engine="auto"),
-           "default+pdl": dict(engine="auto")}  # fmt: skip
+           "default+pdl": dict(engine="auto"),
+           "default+pdl_rotary": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
@@ -171,7 +172,7 @@ named engines; captured states keep their order; the generator's default since 2
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
-``+pdl``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
+``+pdl``, ``+pdl_rotary``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
 the named engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the
 chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines time their
 keys themselves. Compare them with ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
@@ -190,6 +191,7 @@ OWN_CHOICE_ENGINES = {
     "+fused_shrink_16": (fused_decode, {"FUSED_SHRINK_ROWS": 16}),
     "+untimed_lora": (kernels, {"TIME_WITH_LORA": False}),
     "+pdl": (cuda_mma, {"PROGRAMMATIC": True}),
+    "+pdl_rotary": ((cuda_mma, {"PROGRAMMATIC": True}), (fused_decode, {"ROTARY_IN_ATTENTION": True})),
     "+own_choices": (kernels, {}),
 }
 """Engine suffixes and the module settings (`module_settings`) that change which kernels the chooser times: without the wgmma kernel's spread
@@ -202,7 +204,9 @@ either), with the fused norm and SiLU·up shrinks up to 16 rows (`fused_decode.F
 at 16 rows on 2026-12-02, before the norm shrinks' rank blocks of 2026-12-06 took 9.2 / 6.6 instead of 11.5 / 8.2 µs
 at 14B; no kernel choice), with the plain choice taken for a launch with LoRA terms without timing the epilogue against
 it (`kernels.TIME_WITH_LORA` False, as before 2026-12-07), with the step's own kernels launched with Programmatic
-Dependent Launch (`cuda_mma.PROGRAMMATIC`; the kernels it times run so too), and none (the control)."""
+Dependent Launch (`cuda_mma.PROGRAMMATIC`; the kernels it times run so too), the same with the rotary embedding
+and the cache writes in the attention's partials launch (which then follows the NVFP4 q/k/v product, a PDL kernel, not
+inductor's rotary kernel), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""
@@ -288,8 +292,10 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     try:
         with (
             module_settings(shrink_kernels, _shrink_settings(engine, shrink_settings)),
-            module_settings(*(own or (kernels, {}))),
+            contextlib.ExitStack() as own_settings,
         ):
+            for module, settings in _setting_pairs(own):
+                own_settings.enter_context(module_settings(module, settings))
             yield
     finally:
         decode_attention.MERGE_IN_PARTIALS = merge_in_partials
@@ -305,6 +311,14 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         if alternative or own is not None:
             kernels.CHOOSER.choices.clear()
             kernels.CHOOSER.choices.update(shipped)
+
+
+def _setting_pairs(own) -> tuple:
+    """The ``(module, settings)`` pairs of an `OWN_CHOICE_ENGINES` entry (one pair or a tuple of them; none for
+    None)."""
+    if own is None:
+        return ()
+    return own if isinstance(own[0], tuple) else (own,)
 
 
 def _shrink_settings(engine: str, settings: str | None) -> dict[str, int]:

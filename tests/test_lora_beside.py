@@ -351,6 +351,11 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
     with engine_environment("default+untimed_lora"):
         assert defaults() == shipped and kernels.TIME_WITH_LORA is False
     assert kernels.TIME_WITH_LORA == time_with_lora
+    with engine_environment("default+pdl"):
+        assert defaults() == shipped and cuda_mma.PROGRAMMATIC is True
+    with engine_environment("default+pdl_rotary"):  # two modules' settings
+        assert defaults() == shipped and cuda_mma.PROGRAMMATIC is True and fused_decode.ROTARY_IN_ATTENTION
+    assert cuda_mma.PROGRAMMATIC is None and fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
         assert defaults() == shipped
