@@ -8,7 +8,9 @@ down) and row count M, times
   picks; the ``kernel`` column says which);
 * ``bf16``: ``F.linear`` with the fused bf16 weight (cuBLAS);
 * ``with PDL`` (``--pdl``): our CUDA decode kernel's choice again with Programmatic Dependent Launch
-  (``NVFP4_PDL=1``): each call may start while the previous one finishes and loads its first weights meanwhile;
+  (`cuda_mma.PROGRAMMATIC` True): each call may start while the previous one finishes and loads its first weights
+  meanwhile. Every other column launches without it (`cuda_mma.PROGRAMMATIC` False), although decode steps of up to
+  `cuda_mma.PDL_MAX_ROWS` rows take it by default: back-to-back calls of one product are not a step's neighbours;
 * ``humming``: `humming-kernels` (vllm-project/humming, optional: ``pip install humming-kernels``) on the same
   compressed-tensors weight, fused rows;
 * ``floor``: one Triton kernel that only streams the layer's NVFP4 bytes (codes and scales) and does no math: the
@@ -41,6 +43,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from bench_settings import module_settings
 from model_shapes import linear_shapes
 
 from trl_qerl.nvfp4 import cuda_mma, cuda_wgmma, kernels, nvrtc
@@ -201,12 +204,9 @@ def bench_point(layer: Layer, rows: int, variants: list[str], pdl: bool = False)
     result["kernel"] = chosen_kernel(x, layer, len(layer.members[0]))
     reference = torch.cat([x.double() @ dequantize(*w, dtype=torch.float64).T for w in layer.members[0]], dim=1)
     result["rel_err"] = relative_error(reference, nvfp4_call(x, layer.members[0])())
-    if pdl and "mma" in result["kernel"]:  # the same calls with Programmatic Dependent Launch (NVFP4_PDL=1)
-        os.environ["NVFP4_PDL"] = "1"
-        try:
+    if pdl and "mma" in result["kernel"]:  # the same calls with Programmatic Dependent Launch
+        with module_settings(cuda_mma, {"PROGRAMMATIC": True}):
             result["nvfp4_pdl_s"] = graph_time([nvfp4_call(x, members) for members in layer.members])
-        finally:
-            os.environ.pop("NVFP4_PDL")
     result["bf16_s"] = graph_time([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.dense])
     if layer.humming and rows <= 512:
         try:
@@ -347,6 +347,7 @@ def main() -> None:
                         help="offer the tiled kernel's pipelines that fit four times per multiprocessor and K splits "
                         "down to 4 blocks per CTA, up to 32 rows (cuda_mma.TILE_SPREAD_CANDIDATES)")  # fmt: skip
     args = parser.parse_args()
+    cuda_mma.PROGRAMMATIC = False  # one product's calls back to back, not a step (see the module docstring)
     cuda_mma.TILE_SPREAD_CANDIDATES = args.tile_spread or cuda_mma.TILE_SPREAD_CANDIDATES
     if args.wgmma_from is not None:
         kernels.WGMMA_ROWS = (args.wgmma_from, kernels.WGMMA_ROWS[1])

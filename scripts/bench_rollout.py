@@ -124,7 +124,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+untimed_lora": dict(engine="auto"),
            "default+shrink_settings": dict(engine="auto"),
            "default+pdl": dict(engine="auto"),
-           "default+pdl_rotary": dict(engine="auto")}  # fmt: skip
+           "default+pdl_rotary": dict(engine="auto"),
+           "default+no_pdl": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
@@ -172,7 +173,7 @@ named engines; captured states keep their order; the generator's default since 2
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
-``+pdl``, ``+pdl_rotary``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
+``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
 the named engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the
 chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines time their
 keys themselves. Compare them with ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
@@ -191,6 +192,7 @@ OWN_CHOICE_ENGINES = {
     "+fused_shrink_16": (fused_decode, {"FUSED_SHRINK_ROWS": 16}),
     "+untimed_lora": (kernels, {"TIME_WITH_LORA": False}),
     "+pdl": (cuda_mma, {"PROGRAMMATIC": True}),
+    "+no_pdl": (cuda_mma, {"PROGRAMMATIC": False}),
     "+pdl_rotary": ((cuda_mma, {"PROGRAMMATIC": True}), (fused_decode, {"ROTARY_IN_ATTENTION": True})),
     "+own_choices": (kernels, {}),
 }
@@ -206,7 +208,8 @@ at 14B; no kernel choice), with the plain choice taken for a launch with LoRA te
 it (`kernels.TIME_WITH_LORA` False, as before 2026-12-07), with the step's own kernels launched with Programmatic
 Dependent Launch (`cuda_mma.PROGRAMMATIC`; the kernels it times run so too), the same with the rotary embedding
 and the cache writes in the attention's partials launch (which then follows the NVFP4 q/k/v product, a PDL kernel, not
-inductor's rotary kernel), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
+inductor's rotary kernel), with no kernel launched so (the default before 2026-12-07: `cuda_mma.PROGRAMMATIC` False;
+the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""
@@ -247,8 +250,9 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     for the other named ones (the same), ``fast.LANE_ORDER`` True for the ``+lane_order`` ones and False for the other
     named ones (read when a decode state is captured), the row shrink's ``GROUP_SPLITS`` `GROUP_SUMS` for the
     ``+group_sums`` ones and 0 for the other named ones (read at each launch: captured graphs keep it),
-    ``fused_decode.ROTARY_IN_ATTENTION`` False for the named ones (read when a layer compiles); ``default`` keeps the
-    generator's settings; else unchanged."""
+    ``fused_decode.ROTARY_IN_ATTENTION`` False for the named ones (read when a layer compiles) and
+    ``cuda_mma.PROGRAMMATIC`` True for their ``+pdl`` ones, False for the others (read at each launch); ``default``
+    keeps the generator's settings; else unchanged."""
     from trl_qerl.rollout import _fused_shrink_kernel as shrink_kernels  # needs Triton
     from trl_qerl.rollout import _lora_rows_kernel as row_shrink
     from trl_qerl.rollout import decode_attention
@@ -275,6 +279,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     fused_decode.LORA_ROW_KERNELS = row_kernels and not engine.endswith("+lora_cublas")
     beside, beside_rows = fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS
     group_splits, rotary_in_attention = row_shrink.GROUP_SPLITS, fused_decode.ROTARY_IN_ATTENTION
+    programmatic = cuda_mma.PROGRAMMATIC
     on_defaults = engine.split("+")[0] == "default"  # ``default`` and its own-choice variants
     if not on_defaults:  # named engines measure what they measured before these became defaults
         switches = engine.split("+")
@@ -283,6 +288,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.LORA_BESIDE_MIN_ROWS = 1 if all_rows else fused_decode.LORA_REDUCTION_ROWS + 1
         row_shrink.GROUP_SPLITS = GROUP_SUMS if "group_sums" in switches else 0
         fused_decode.ROTARY_IN_ATTENTION = False
+        cuda_mma.PROGRAMMATIC = pdl
     if engine.endswith("+shrink_per_row"):
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = 8, 1 << 30
     lane_order = fast.LANE_ORDER
@@ -307,6 +313,7 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
         fused_decode.LORA_ROW_KERNELS = row_kernels
         fused_decode.LORA_SHRINK_BESIDE, fused_decode.LORA_BESIDE_MIN_ROWS = beside, beside_rows
         row_shrink.GROUP_SPLITS, fused_decode.ROTARY_IN_ATTENTION = group_splits, rotary_in_attention
+        cuda_mma.PROGRAMMATIC = programmatic
         fused_decode.FUSED_SHRINK_ROWS, shrink_kernels.ROWS_FROM = shrink_rows, rows_from
         if alternative or own is not None:
             kernels.CHOOSER.choices.clear()

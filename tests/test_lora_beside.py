@@ -355,6 +355,8 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
         assert defaults() == shipped and cuda_mma.PROGRAMMATIC is True
     with engine_environment("default+pdl_rotary"):  # two modules' settings
         assert defaults() == shipped and cuda_mma.PROGRAMMATIC is True and fused_decode.ROTARY_IN_ATTENTION
+    with engine_environment("default+no_pdl"):
+        assert defaults() == shipped and cuda_mma.PROGRAMMATIC is False
     assert cuda_mma.PROGRAMMATIC is None and fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
@@ -362,6 +364,7 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
     assert kernels.CHOOSER.choices == before
     with engine_environment("fused+compile+split_kv+twiddle"):  # a named engine: the settings it was measured with
         assert not fused_decode.LORA_SHRINK_BESIDE and not fast.LANE_ORDER and not fused_decode.ROTARY_IN_ATTENTION
+        assert cuda_mma.PROGRAMMATIC is False  # (PDL only in its ``+pdl`` engines)
 
 
 def test_small_steps_take_it_in_place_of_the_norm_shrinks_when_asked(monkeypatch):

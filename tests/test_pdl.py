@@ -28,28 +28,34 @@ def hopper_capability(monkeypatch):
     return capability
 
 
-def test_programmatic_launch_follows_the_setting_then_the_environment_on_sm_90_only(monkeypatch, hopper_capability):
+def test_programmatic_launch_follows_the_setting_then_the_environment_then_the_rows(monkeypatch, hopper_capability):
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert cuda_mma.PROGRAMMATIC is None and not cuda_mma.programmatic_launch(gpu)  # off by default
+    most = cuda_mma.PDL_MAX_ROWS
+    assert cuda_mma.PROGRAMMATIC is None  # the default: decode steps of few rows
+    assert cuda_mma.programmatic_launch(gpu, 1) and cuda_mma.programmatic_launch(gpu, most)
+    assert not cuda_mma.programmatic_launch(gpu, most + 1) and not cuda_mma.programmatic_launch(cpu, 1)
+    monkeypatch.setenv("NVFP4_PDL", "0")
+    assert not cuda_mma.programmatic_launch(gpu, 1)
     monkeypatch.setenv("NVFP4_PDL", "1")
-    assert cuda_mma.programmatic_launch(gpu) and not cuda_mma.programmatic_launch(cpu)
+    assert cuda_mma.programmatic_launch(gpu, 64) and not cuda_mma.programmatic_launch(cpu, 64)
     monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", False)  # the module setting wins over the environment
-    assert not cuda_mma.programmatic_launch(gpu)
+    assert not cuda_mma.programmatic_launch(gpu, 1)
     monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", True)
     monkeypatch.delenv("NVFP4_PDL")
-    assert cuda_mma.programmatic_launch(gpu) and not cuda_mma.programmatic_launch(cpu)
+    assert cuda_mma.programmatic_launch(gpu, 64) and not cuda_mma.programmatic_launch(cpu, 64)
     hopper_capability["value"] = (8, 9)  # no griddepcontrol before sm_90
-    assert not cuda_mma.programmatic_launch(gpu)
+    assert not cuda_mma.programmatic_launch(gpu, 1)
 
 
 def test_triton_launches_ask_for_pdl_only_where_it_runs(monkeypatch, hopper_capability):
     from trl_qerl.rollout._pdl_kernel import launch_options
 
-    gpu = torch.device("cuda", 0)
-    assert launch_options(gpu) == {"PDL": False}
-    monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", True)
-    assert launch_options(gpu) == {"PDL": True, "launch_pdl": True}
-    assert launch_options(torch.device("cpu")) == {"PDL": False}  # (the interpreter: no launch option, no wait)
+    gpu, rows = torch.device("cuda", 0), cuda_mma.PDL_MAX_ROWS
+    assert launch_options(gpu, rows) == {"PDL": True, "launch_pdl": True}
+    assert launch_options(gpu, rows + 1) == {"PDL": False}
+    assert launch_options(torch.device("cpu"), 1) == {"PDL": False}  # (the interpreter: no launch option, no wait)
+    monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", False)
+    assert launch_options(gpu, 1) == {"PDL": False}
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")

@@ -394,7 +394,7 @@ def matmul(
     segments, tiles, total = segments_of(weights, biases, config.rows)
     if out is None:
         out = torch.empty(m, total, device=x.device, dtype=x.dtype)
-    programmatic = programmatic_launch(x.device)
+    programmatic = programmatic_launch(x.device, m)
     name = config.name_expression(x.dtype, lora_rank=lora.rank if lora is not None else 0)
     flags = options + twiddle.window_build()  # (captured graphs keep their build)
     build = kernel(name, x.dtype, x.device, flags + PDL_BUILD if programmatic else flags)
@@ -430,16 +430,25 @@ Launch"); the default build has no PDL instructions."""
 
 PROGRAMMATIC: bool | None = None
 """Programmatic Dependent Launch of the decode step's own kernels: the NVFP4 decode products here and the rollout's
-Triton kernels (`trl_qerl.rollout._pdl_kernel`), each free to start while the kernel before it finishes. ``None``:
-the ``NVFP4_PDL`` environment variable decides (``1``: on; off by default). Read at each launch: a captured CUDA
-graph keeps the launches it recorded."""
+Triton kernels (`trl_qerl.rollout._pdl_kernel`), each free to start while the kernel before it finishes. ``True`` /
+``False``: at every row count / never; ``None``: the ``NVFP4_PDL`` environment variable (``1`` / ``0``) or, unset,
+launches of up to `PDL_MAX_ROWS` rows. Read at each launch: a captured CUDA graph keeps the launches it recorded."""
+
+PDL_MAX_ROWS = 8
+"""Most rows of a launch that takes PDL by default (`PROGRAMMATIC` None). Measured on an H100 (7B, NVFP4 + LoRA r32 +
+AQN, 2026-12-07, `scripts/bench_rollout.py --prefill`, A-B-C-A-B-C in one process), the decode step alone without ->
+with PDL: 3.11 / 2.99 -> 2.79 / 2.91 ms at batch 1 (with the rotary in the attention launch 2.90 / 2.77), 3.43 / 3.44
+-> 3.37 / 3.46 at 8 (3.35 / 3.36), 5.59 / 5.58 -> 5.88 / 5.67 at 32 (5.72 / 5.71), 6.34 / 6.31 -> 6.32 / 6.30 at 64.
+The gain is in the gaps between kernels (the kernels' own time per step did not move: 2.85-2.88 ms at batch 1)."""
 
 
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether launches on ``device`` use Programmatic Dependent Launch (and the `PDL_BUILD`): `PROGRAMMATIC` (or
-    ``NVFP4_PDL=1``) on an sm_90+ GPU, never elsewhere."""
-    asked = PROGRAMMATIC if PROGRAMMATIC is not None else os.environ.get("NVFP4_PDL", "0") == "1"
-    return bool(asked) and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+def programmatic_launch(device: torch.device, rows: int = 1) -> bool:
+    """Whether a launch of ``rows`` rows on ``device`` uses Programmatic Dependent Launch (and the `PDL_BUILD`): as
+    `PROGRAMMATIC` says, on an sm_90+ GPU only."""
+    asked = PROGRAMMATIC if PROGRAMMATIC is not None else {"1": True, "0": False}.get(os.environ.get("NVFP4_PDL", ""))
+    if asked is None:
+        asked = rows <= PDL_MAX_ROWS
+    return asked and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[MMAConfig]:

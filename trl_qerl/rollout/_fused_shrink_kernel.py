@@ -420,7 +420,7 @@ def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
         x.stride(0), residual.stride(0), s.stride(0), h.stride(0), t.stride(0),
         HAS_RESIDUAL=has_residual, OUT=_DTYPES[h.dtype], BLOCK_R=block, BLOCK_K=columns,
         ROWS=per_program, ONE_STEP=one_step, PASSES=passes, num_warps=_warps(columns, NORM_MAX_WARPS),
-        **launch_options(x.device),
+        **launch_options(x.device, rows),
     )  # fmt: skip
 
 
@@ -434,7 +434,7 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
         _silu_mul_shrink_rows_kernel[grid](
             gate, up, a0, a1, a2, y, t, partials, counters, rows, width, span, rank0, rank1,
             gate.stride(0), up.stride(0), y.stride(0), t.stride(0), OUT=_DTYPES[y.dtype], **meta,
-            **launch_options(gate.device),
+            **launch_options(gate.device, rows),
         )  # fmt: skip
         return
     block = rank_block(rows, [a.shape[0] for a in lora_a], block_k(width))
@@ -449,5 +449,5 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
         gate, up, a0, a1, a2, y, t, partials, counters, width, span, rank0, rank1,
         gate.stride(0), up.stride(0), y.stride(0), t.stride(0),
         OUT=_DTYPES[y.dtype], BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=_warps(columns),
-        **launch_options(gate.device),
+        **launch_options(gate.device, rows),
     )  # fmt: skip

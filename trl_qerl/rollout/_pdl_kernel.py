@@ -40,7 +40,7 @@ def allow_next_kernel(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def launch_options(device: torch.device) -> dict:
-    """The ``PDL`` constexpr of a launch on ``device`` and, where `programmatic_launch` says so, the launch option
-    that asks for Programmatic Dependent Launch."""
-    return {"PDL": True, "launch_pdl": True} if programmatic_launch(device) else {"PDL": False}
+def launch_options(device: torch.device, rows: int) -> dict:
+    """The ``PDL`` constexpr of a launch of ``rows`` rows on ``device`` and, where `programmatic_launch` says so, the
+    launch option that asks for Programmatic Dependent Launch."""
+    return {"PDL": True, "launch_pdl": True} if programmatic_launch(device, rows) else {"PDL": False}

@@ -183,7 +183,7 @@ def merge(acc, maxima, sums, out, min_stat: float, cache_position=None, chunk: i
         acc, maxima, sums, out, cache_position if bounded else acc, out.stride(0), out.stride(1),
         KV_HEADS=heads // group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         CHUNK=chunk if bounded else 0, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM_BLOCK=dim_block,
-        SPLIT_BLOCK=split_block, MIN_STAT=min_stat, **launch_options(acc.device),
+        SPLIT_BLOCK=split_block, MIN_STAT=min_stat, **launch_options(acc.device, out.shape[0]),
     )  # fmt: skip
 
 
@@ -238,7 +238,7 @@ def launch(q, keys, values, mask, scaling, cache_position, acc, maxima, sums, bl
         CHUNK=chunk, BLOCK=block, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MIN_STAT=min_stat, MERGE=merged, MERGE_DIM_BLOCK=dim_block, MERGE_SPLIT_BLOCK=split_block,
-        ROTARY=rotary is not None, IO=_IO_DTYPES[q.dtype], num_warps=num_warps, **launch_options(q.device),
+        ROTARY=rotary is not None, IO=_IO_DTYPES[q.dtype], num_warps=num_warps, **launch_options(q.device, batch),
     )  # fmt: skip
 
 
