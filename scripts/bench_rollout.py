@@ -125,7 +125,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+shrink_settings": dict(engine="auto"),
            "default+pdl": dict(engine="auto"),
            "default+pdl_rotary": dict(engine="auto"),
-           "default+no_pdl": dict(engine="auto")}  # fmt: skip
+           "default+no_pdl": dict(engine="auto"),
+           "default+plain_shrink": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
@@ -173,7 +174,7 @@ named engines; captured states keep their order; the generator's default since 2
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
-``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
+``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
 the named engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the
 chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines time their
 keys themselves. Compare them with ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
@@ -193,6 +194,7 @@ OWN_CHOICE_ENGINES = {
     "+untimed_lora": (kernels, {"TIME_WITH_LORA": False}),
     "+pdl": (cuda_mma, {"PROGRAMMATIC": True}),
     "+no_pdl": (cuda_mma, {"PROGRAMMATIC": False}),
+    "+plain_shrink": (fused_decode, {"PLAIN_SHRINK": True}),
     "+pdl_rotary": ((cuda_mma, {"PROGRAMMATIC": True}), (fused_decode, {"ROTARY_IN_ATTENTION": True})),
     "+own_choices": (kernels, {}),
 }
@@ -209,7 +211,8 @@ it (`kernels.TIME_WITH_LORA` False, as before 2026-12-07), with the step's own k
 Dependent Launch (`cuda_mma.PROGRAMMATIC`; the kernels it times run so too), the same with the rotary embedding
 and the cache writes in the attention's partials launch (which then follows the NVFP4 q/k/v product, a PDL kernel, not
 inductor's rotary kernel), with no kernel launched so (the default before 2026-12-07: `cuda_mma.PROGRAMMATIC` False;
-the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
+the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), with the o projection's LoRA shrink in our own launch
+(`fused_decode.PLAIN_SHRINK`), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""

@@ -179,6 +179,9 @@ def _fused_shrink_builds(module, folder: Path) -> dict[str, tuple[list[str], dic
         builds[f"norm, {'one step' if one_step else 'two passes'}"] = _build(
             module._norm_shrink_kernel, constexprs, "bf16", folder, module._warps(norm["BLOCK_K"])
         )
+    if hasattr(module, "_shrink_kernel"):  # (the o projection's plain shrink, since 2026-12-07)
+        builds["plain, one step"] = _build(module._shrink_kernel, dict(BLOCK_R=2, BLOCK_K=module.block_k(3584),
+                                           ONE_STEP=True), "bf16", folder, module._warps(4096))  # fmt: skip
     for splits in (1, 4):
         constexprs = dict(OUT=tl.bfloat16, BLOCK_R=1, BLOCK_K=module.block_k(18944 // splits), SPLITS=splits)
         builds[f"silu per row, {splits} spans"] = _build(

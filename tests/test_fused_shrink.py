@@ -22,6 +22,7 @@ from trl_qerl.rollout import fused_decode
 from trl_qerl.rollout.fused_shrink import (
     add_rms_norm_shrink,
     fused_shrink_applies,
+    plain_shrink,
     rms_norm_reference,
     rms_norm_shrink,
     silu_mul_shrink,
@@ -127,6 +128,22 @@ def test_silu_mul_shrink_kernel_reads_strided_halves(dtype, ranks, shape):
     launch(gate, up, lora_a, y, t)
     _assert_rounded_alike(y, F.silu(gate) * up)
     _assert_shrink(t, y, lora_a)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ranks", list(RANKS.values()), ids=list(RANKS))
+@pytest.mark.parametrize(
+    "shape", [(1, 200), (3, 1100), (2, 5120), (1, 9000)], ids=["1x200", "3x1100", "2x5120", "1x9000"]
+)
+def test_plain_shrink_kernel_matches_the_products(dtype, ranks, shape):
+    """`_fused_shrink_kernel.shrink` (the o projection's input): rows in one step and, past `NORM_MAX_BLOCK_K`
+    columns (9,000), in several."""
+    from trl_qerl.rollout._fused_shrink_kernel import shrink
+
+    x, _, lora_a = _case(*shape, ranks, dtype)
+    t = _poisoned(x, torch.float32, sum(ranks))
+    shrink(x, lora_a, t)
+    _assert_shrink(t, x, lora_a)
 
 
 def test_split_rows_leave_their_counters_at_zero_for_the_next_launch():
@@ -279,9 +296,10 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     launcher takes at 8 rows: 4). That last tile (4 x 8,192 fp32 over 8 warps) may keep a few words on the stack:
     48 bytes with Triton 3.3 and 3.6, none with 3.9; built so (Triton 3.6, H100, 2026-12-06) it was the faster layout,
     14B gate/up at 8 rows 7.3 -> 3.9 µs (`_fused_shrink_kernel.NORM_TARGET_PROGRAMS`). The same tile taking two rank
-    blocks in turn (`norm_passes`) keeps none (Triton 3.3.1, 3.6 and 3.9)."""
+    blocks in turn (`norm_passes`) keeps none (Triton 3.3.1, 3.6 and 3.9), nor does the plain shrink (`_shrink_kernel`, the
+    o projection's) of such a row at 8 rows (108 / 114 registers with Triton 3.9 / 3.6)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
-    assert len(resources) == 10
+    assert len(resources) == 11
     for kernel, usage in resources.items():
         stack = WIDE_NORM_TILE_STACK if kernel.endswith("row, rank block 4") else 0
         assert usage["STACK"] <= stack and usage["LOCAL"] == 0, f"{kernel}: {usage}"
@@ -321,6 +339,10 @@ def _row_kernel_resources(folder: Path) -> dict[str, dict[str, int]]:
                           ONE_STEP=True, PASSES=1, PDL=False)  # fmt: skip
         compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(columns, K.NORM_MAX_WARPS))
         results[f"norm {name} row, rank block {block}"] = resources_of(compiled.asm["cubin"], folder)
+    plain = K.rank_block(8, [32], columns, K.NORM_TILE, K.NORM_TARGET_PROGRAMS)  # the o shrink of 72B at 8 rows
+    compiled = compile_for_hopper(K._shrink_kernel, dict(BLOCK_R=plain, BLOCK_K=columns, ONE_STEP=True, PDL=False),
+                                  K._warps(columns, K.NORM_MAX_WARPS))  # fmt: skip
+    results[f"plain shrink of a 72B row at 8 rows, rank block {plain}"] = resources_of(compiled.asm["cubin"], folder)
     constexprs = dict(constexprs, BLOCK_R=4, PASSES=2)  # 72B's row; 14B q/k/v at 8 rows in passes (`norm_passes`)
     compiled = compile_for_hopper(K._norm_shrink_kernel, constexprs, K._warps(8192, K.NORM_MAX_WARPS))
     results["norm row of 8,192 in rank blocks of 4, two passes"] = resources_of(compiled.asm["cubin"], folder)
@@ -374,6 +396,7 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(add_rms_norm_shrink, (x, res, weight, 1e-6, lora_a))
     gate, up = torch.randn(2, 128, device=DEVICE, dtype=torch.bfloat16).split(64, dim=1)
     torch.library.opcheck(silu_mul_shrink, (gate, up, lora_a))
+    torch.library.opcheck(plain_shrink, (x, lora_a))
 
 
 def test_applies_only_to_what_the_kernels_read():
@@ -392,6 +415,17 @@ def test_fused_step_samples_do_not_change_with_the_fused_shrinks(monkeypatch, ar
     assert samples[True] == samples[False]
     plain_norm = set() if fused_decode.ADD_IN_NEXT_NORM else {"rms_norm_shrink"}  # the first layer adds zeros
     assert set(calls) == {"add_rms_norm_shrink", "silu_mul_shrink"} | plain_norm
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_o_projection_shrink_in_our_launch_gives_the_same_samples(monkeypatch, arch):
+    """`fused_decode.PLAIN_SHRINK`: the o projection's shrink through `plain_shrink` (on CPU the torch formula the step
+    ran before): the same samples, bit for bit."""
+    from _tiny import fused_samples_with_and_without
+
+    samples, calls = fused_samples_with_and_without(monkeypatch, "PLAIN_SHRINK", ("plain_shrink",), "cpu", False, arch,
+                                                    rank=4, prompts=[[5, 6, 7], [8, 9]])  # fmt: skip
+    assert samples[True] == samples[False] and set(calls) == {"plain_shrink"}
 
 
 def test_adding_in_the_next_norm_gives_the_same_samples(monkeypatch):
@@ -418,6 +452,21 @@ def test_captured_compiled_step_with_the_fused_shrinks_on_cuda(monkeypatch, add_
         fused.completion_ids, unfused.completion_ids, fused.logprobs, unfused.logprobs
     ):
         assert ours[:3] == theirs[:3]  # greedy: a near-tie may flip later tokens (summation order)
+        assert torch.allclose(torch.tensor(our_logprobs[:3]), torch.tensor(their_logprobs[:3]), atol=0.05)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_captured_compiled_step_with_the_o_projection_shrink_on_cuda(monkeypatch):
+    from _tiny import fused_samples_with_and_without
+
+    samples, calls = fused_samples_with_and_without(monkeypatch, "PLAIN_SHRINK", ("plain_shrink",), "cuda", True,
+                                                    rank=4, prompts=[[5, 6, 7], [8, 9]])  # fmt: skip
+    assert set(calls) == {"plain_shrink"}
+    ours, theirs = samples[True], samples[False]
+    for our_ids, their_ids, our_logprobs, their_logprobs in zip(
+        ours.completion_ids, theirs.completion_ids, ours.logprobs, theirs.logprobs
+    ):
+        assert our_ids[:3] == their_ids[:3]  # greedy: a near-tie may flip later tokens (summation order)
         assert torch.allclose(torch.tensor(our_logprobs[:3]), torch.tensor(their_logprobs[:3]), atol=0.05)
 
 

@@ -101,6 +101,11 @@ def rollout_specs(capability: int) -> dict[str, tuple[str, dict, dict, dict]]:
             specs[f"norm shrink {'one step' if one_step else 'two passes'} {t}"] = rollout(
                 "shrink._norm_shrink_kernel", constexprs, shrink._warps(4096)
             )
+        specs[f"plain shrink {t}"] = rollout(
+            "shrink._shrink_kernel",
+            {"BLOCK_R": 2, "BLOCK_K": 4096, "ONE_STEP": True, "PDL": False},
+            shrink._warps(4096),
+        )
         padded, block, columns, _ = shrink.rows_layout(8, 18944, [32])
         specs[f"silu shrink over 8 rows, 4 spans {t}"] = rollout(
             "shrink._silu_mul_shrink_rows_kernel",

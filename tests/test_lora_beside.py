@@ -357,6 +357,9 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
         assert defaults() == shipped and cuda_mma.PROGRAMMATIC is True and fused_decode.ROTARY_IN_ATTENTION
     with engine_environment("default+no_pdl"):
         assert defaults() == shipped and cuda_mma.PROGRAMMATIC is False
+    with engine_environment("default+plain_shrink"):
+        assert defaults() == shipped and fused_decode.PLAIN_SHRINK
+    assert not fused_decode.PLAIN_SHRINK
     assert cuda_mma.PROGRAMMATIC is None and fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):

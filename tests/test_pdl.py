@@ -62,10 +62,10 @@ def test_triton_launches_ask_for_pdl_only_where_it_runs(monkeypatch, hopper_capa
 def test_pdl_builds_read_and_write_nothing_of_other_kernels_before_waiting(tmp_path):
     """Compiled for sm_90 (Triton's toolchain, in a subprocess: this session runs the interpreter): each of the step's
     Triton kernels built with ``PDL`` waits (``griddepcontrol.wait``, SASS ``ACQBULK``) before any store or atomic,
-    and lets the next launch start (``PREEXIT``); none but the norm shrink loads anything before the wait (it loads
-    its LoRA A tile, which no kernel of the step writes). Built without, they hold neither instruction."""
+    and lets the next launch start (``PREEXIT``); none but the norm and plain shrinks loads anything before the wait
+    (they load their LoRA A tile, which no kernel of the step writes). Built without, they hold neither instruction."""
     builds = compiled_in_subprocess(__file__, tmp_path)
-    assert len(builds) == 10
+    assert len(builds) == 12
     for label, ops in builds.items():
         kernel, pdl = label.rsplit(" ", 1)
         if pdl == "plain":
@@ -74,7 +74,7 @@ def test_pdl_builds_read_and_write_nothing_of_other_kernels_before_waiting(tmp_p
         assert "PREEXIT" in ops and "ACQBULK" in ops, label
         wait = ops.index("ACQBULK")
         assert not any(op.startswith(STORES) for op in ops[:wait]), (label, ops[:wait])
-        if not kernel.startswith("norm"):
+        if kernel not in ("norm shrink", "plain shrink"):
             assert not any(op.startswith("LDG") for op in ops[:wait]), (label, ops[:wait])
 
 
@@ -126,6 +126,7 @@ def _pdl_builds(folder: Path) -> dict[str, list[str]]:
             attention.PARTIALS_WARPS,
         ),
         "merge": (split_kv._merge_kernel, dict(shape, **tiles), 4),
+        "plain shrink": (shrink._shrink_kernel, dict(BLOCK_R=2, BLOCK_K=4096, ONE_STEP=True), shrink._warps(4096)),
     }
     builds = {}
     for label, (kernel, constexprs, warps) in kernels.items():

@@ -18,6 +18,8 @@ per row) 4.9 / 7.2 / 11.4 / 16.4 per row at 2 / 4 / 8 / 16 rows, 4.3 / 6.2 / 7.8
 the statistics, took 5.0-17.1 µs at 2-16 rows against 3.1-8.2. A draft that multiplied ``[16, 64]`` tiles on the
 tensor cores (3xTF32 ``tl.dot``, commit 4bef487) took 12-20 µs at 1-16 rows (not profiled).
 
+`_shrink_kernel` is the norm shrinks' layout without the norm, for an input no kernel of ours makes (`shrink`).
+
 A norm row that fits one step (`NORM_MAX_BLOCK_K`: 7B's 3,584 columns, 14B's and 32B's 5,120, 72B's 8,192) is
 loaded once, and the program's A tile is loaded before the row's statistics, so that its latency overlaps them
 (`NORM_ONE_STEP`). Measured on the H200 (7B, rank 32,
@@ -322,6 +324,36 @@ def _silu_mul_shrink_rows_kernel(
     _store_splits(part, targets, live[:, None], partial_ptr, count_ptr, slot, split, tile, ROWS * BLOCK_R, SPLITS)
 
 
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a0, a1, a2, t_ptr, width, rank0, rank1, stride_x, stride_t,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """``t[row, first : first + BLOCK_R] = x[row] @ A[first : first + BLOCK_R].T``: one row and one rank block a
+    program, the row in steps of ``BLOCK_K`` (with ``ONE_STEP`` in one, its A tile loaded before the wait)."""
+    row = tl.program_id(0)
+    first = tl.program_id(1) * BLOCK_R
+    columns = tl.arange(0, BLOCK_K)
+    base = _adapter_rows(a0, a1, a2, first, width, rank0, rank1)
+    ranks = tl.arange(0, BLOCK_R)
+    if ONE_STEP:  # no kernel of the step writes A: launched with PDL, its load overlaps the kernel before
+        a = _a_tile(base, ranks, width, columns, columns < width)
+    wait_for_previous_kernel(PDL)
+    allow_next_kernel(PDL)
+    x_row = x_ptr + row * stride_x
+    if ONE_STEP:
+        x = tl.load(x_row + columns, mask=columns < width, other=0.0).to(tl.float32)
+        acc = tl.sum(a * x[None, :], axis=1)
+    else:
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for start in range(0, width, BLOCK_K):
+            offsets = start + columns
+            inside = offsets < width
+            x = tl.load(x_row + offsets, mask=inside, other=0.0).to(tl.float32)
+            acc += tl.sum(_a_tile(base, ranks, width, offsets, inside) * x[None, :], axis=1)
+    tl.store(t_ptr + row * stride_t + first + ranks, acc)
+
+
 def block_k(width: int, limit: int = MAX_BLOCK_K) -> int:
     return min(triton.next_power_of_2(width), limit)
 
@@ -450,4 +482,19 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
         gate.stride(0), up.stride(0), y.stride(0), t.stride(0),
         OUT=_DTYPES[y.dtype], BLOCK_R=block, BLOCK_K=columns, SPLITS=splits, num_warps=_warps(columns),
         **launch_options(gate.device, rows),
+    )  # fmt: skip
+
+
+def shrink(x, lora_a, t) -> None:
+    """Fill ``t = x @ A.T`` (fp32, the A matrices' products side by side) for ``x[M, K]`` whose rows no fused kernel
+    makes (the o projection's input, from the attention): the norm shrinks' layout without the norm (rows of up to
+    `NORM_MAX_BLOCK_K` columns in one step)."""
+    rows, width = x.shape
+    columns = block_k(width, NORM_MAX_BLOCK_K)
+    block = rank_block(rows, [a.shape[0] for a in lora_a], columns, NORM_TILE, NORM_TARGET_PROGRAMS)
+    (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
+    _shrink_kernel[(rows, t.shape[1] // block)](
+        x, a0, a1, a2, t, width, rank0, rank1, x.stride(0), t.stride(0),
+        BLOCK_R=block, BLOCK_K=columns, ONE_STEP=width <= columns, num_warps=_warps(columns, NORM_MAX_WARPS),
+        **launch_options(x.device, rows),
     )  # fmt: skip

@@ -46,6 +46,7 @@ from .decoder_spec import DecoderSpec, LayerSpec, NormSpec, Projection
 from .fused_shrink import (
     add_rms_norm_shrink,
     fused_shrink_applies,
+    plain_shrink,
     rms_norm_reference,
     rms_norm_shrink,
     shrink_reference,
@@ -150,6 +151,13 @@ step, and no step-time change beyond the run-to-run spread up to 8 rows (batch 1
 Again with the SiLU·up shrink over every row (`_fused_shrink_kernel.ROWS_FROM`; eighth session, engines interleaved in
 one process): batch 8 3.97 / 4.00 ms against 4.07 / 4.09 with the per-row kernels, batch 16 with the fused shrinks
 5.40 / 5.42 against 5.33 / 5.34 with inductor's: the norms' per-row kernels still lose at 16 rows."""
+
+PLAIN_SHRINK = False
+"""True: where a projection group's LoRA terms go to the NVFP4 epilogue but no kernel of ours makes its input with the
+shrink (the o projection, after the attention), make ``x @ A.T`` in our own launch (`fused_shrink.plain_shrink`) up to
+`FUSED_SHRINK_ROWS` rows, instead of inductor's reduction: a launch that takes Programmatic Dependent Launch
+(`nvfp4.cuda_mma.PROGRAMMATIC`), so that attention, shrink and o product overlap at their boundaries. Off: built
+2026-12-07 without a GPU left to measure it (`scripts/bench_rollout.py`'s ``default+plain_shrink`` engine)."""
 
 
 ROTARY_IN_ATTENTION = False
@@ -360,7 +368,10 @@ def _project_with_lora_epilogue(
 
 
 def _shrinks(x: torch.Tensor, lora_a: list[torch.Tensor]) -> torch.Tensor:
-    """``x @ A.T`` of the epilogue path's fp32 A matrices, side by side (eager: `fused_shrink`'s reference)."""
+    """``x @ A.T`` of the epilogue path's fp32 A matrices, side by side (eager: `fused_shrink`'s reference; with
+    `PLAIN_SHRINK`, `fused_shrink.plain_shrink`)."""
+    if PLAIN_SHRINK and x.shape[0] <= FUSED_SHRINK_ROWS and fused_shrink_applies(x, lora_a):
+        return plain_shrink(x, lora_a)
     if not torch.compiler.is_compiling():
         return shrink_reference(x, lora_a)
     parts = [_shrink_as_reduction(x, a) for a in lora_a]

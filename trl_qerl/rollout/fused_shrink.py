@@ -8,7 +8,9 @@ even in two). That is five launches per layer for three small products (H200, 7B
 layer, ~2 µs of gap after each). These ops make each ``h`` and its shrink in one launch:
 
 * `rms_norm_shrink` / `add_rms_norm_shrink`: ``s = x + residual`` (the second), ``h = rms_norm(s)`` and ``t``;
-* `silu_mul_shrink`: ``y = silu(gate) * up`` and ``t``.
+* `silu_mul_shrink`: ``y = silu(gate) * up`` and ``t``;
+* `plain_shrink`: ``t`` alone, for an input no kernel of ours makes (the o projection's, from the attention), so that
+  the shrink is a launch of ours (Programmatic Dependent Launch, `_pdl_kernel`) rather than inductor's reduction.
 
 Numbers: the formulas and roundings of `fused_decode.rms_norm` (normalise in fp32, round, multiply by the weight,
 round once) and of ``F.silu(gate) * up`` (each op rounded to the input dtype), ``t`` in fp32 from the rounded ``h``,
@@ -28,6 +30,7 @@ from .decode_attention import triton_available
 __all__ = [
     "add_rms_norm_shrink",
     "fused_shrink_applies",
+    "plain_shrink",
     "rms_norm_reference",
     "rms_norm_shrink",
     "shrink_reference",
@@ -133,3 +136,20 @@ def silu_mul_shrink(
 @silu_mul_shrink.register_fake
 def _(gate, up, lora_a):
     return gate.new_empty(gate.shape), _new_t(gate, lora_a)
+
+
+@torch.library.custom_op("trl_qerl::plain_shrink", mutates_args=())
+def plain_shrink(x: torch.Tensor, lora_a: list[torch.Tensor]) -> torch.Tensor:
+    """``t = x @ A.T`` (fp32, the A matrices' products side by side) for ``x[M, K]``."""
+    if not _runs_triton(x):
+        return shrink_reference(x, lora_a)
+    from ._fused_shrink_kernel import shrink as launch
+
+    t = _new_t(x, lora_a)
+    launch(x, lora_a, t)
+    return t
+
+
+@plain_shrink.register_fake
+def _(x, lora_a):
+    return _new_t(x, lora_a)
