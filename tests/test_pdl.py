@@ -5,6 +5,7 @@ whose kernels launch so giving the tokens of one whose kernels do not."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from _sass import compiled_in_subprocess, cuobjdump
 
-from trl_qerl.nvfp4 import cuda_mma
+from trl_qerl.nvfp4 import cuda_mma, nvrtc
 
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -21,11 +22,15 @@ STORES = ("STG", "ST.", "RED", "ATOM")
 
 @pytest.fixture
 def hopper_capability(monkeypatch):
-    """``torch.cuda.get_device_capability`` answering ``(9, 0)`` (set ``value`` to change it) and no ``NVFP4_PDL``."""
-    capability = {"value": (9, 0)}
+    """``torch.cuda.get_device_capability`` answering ``(9, 0)`` (set ``value`` to change it), a CUDA 13.0 driver
+    (set ``driver``) and no ``NVFP4_PDL``."""
+    capability = {"value": (9, 0), "driver": 13000}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(nvrtc, "driver_version", lambda: capability["driver"])
     monkeypatch.delenv("NVFP4_PDL", raising=False)
-    return capability
+    cuda_mma.driver_takes_pdl.cache_clear()
+    yield capability
+    cuda_mma.driver_takes_pdl.cache_clear()
 
 
 def test_programmatic_launch_follows_the_setting_then_the_environment_then_the_rows(monkeypatch, hopper_capability):
@@ -45,6 +50,15 @@ def test_programmatic_launch_follows_the_setting_then_the_environment_then_the_r
     assert cuda_mma.programmatic_launch(gpu, 64) and not cuda_mma.programmatic_launch(cpu, 64)
     hopper_capability["value"] = (8, 9)  # no griddepcontrol before sm_90
     assert not cuda_mma.programmatic_launch(gpu, 1)
+
+
+def test_a_driver_older_than_12_3_launches_without_pdl_and_says_so_once(hopper_capability, caplog):
+    hopper_capability["driver"] = 12020  # graphs capture PDL launches as programmatic edges from CUDA 12.3
+    with caplog.at_level(logging.INFO, logger="trl_qerl.nvfp4.cuda_mma"):
+        assert not cuda_mma.programmatic_launch(torch.device("cuda", 0), 1)
+        assert not cuda_mma.programmatic_launch(torch.device("cuda", 0), 1)
+    lines = [r.getMessage() for r in caplog.records if "Programmatic Dependent Launch" in r.getMessage()]
+    assert len(lines) == 1 and "12.2 is older than 12.3" in lines[0]
 
 
 def test_triton_launches_ask_for_pdl_only_where_it_runs(monkeypatch, hopper_capability):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ import torch
 
 from . import nvrtc, twiddle
 
+
+logger = logging.getLogger(__name__)
 
 SOURCE_PATHS = (Path(__file__).parent / "csrc" / "nvfp4_mma.cu", Path(__file__).parent / "csrc" / "nvfp4_wgmma.cu")
 """The kernels' source: the mma.sync kernels and their helpers, then the wgmma kernel that uses them."""
@@ -442,13 +445,31 @@ with PDL: 3.11 / 2.99 -> 2.79 / 2.91 ms at batch 1 (with the rotary in the atten
 The gain is in the gaps between kernels (the kernels' own time per step did not move: 2.85-2.88 ms at batch 1)."""
 
 
+PDL_MIN_DRIVER = 12030
+"""CUDA driver version from which stream capture records PDL launches as programmatic graph edges (CUDA 12.3)."""
+
+
 def programmatic_launch(device: torch.device, rows: int = 1) -> bool:
     """Whether a launch of ``rows`` rows on ``device`` uses Programmatic Dependent Launch (and the `PDL_BUILD`): as
-    `PROGRAMMATIC` says, on an sm_90+ GPU only."""
+    `PROGRAMMATIC` says, on an sm_90+ GPU with a CUDA driver of at least 12.3 only."""
     asked = PROGRAMMATIC if PROGRAMMATIC is not None else {"1": True, "0": False}.get(os.environ.get("NVFP4_PDL", ""))
     if asked is None:
         asked = rows <= PDL_MAX_ROWS
-    return asked and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return (
+        asked and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) and driver_takes_pdl()
+    )
+
+
+@functools.cache
+def driver_takes_pdl() -> bool:
+    """Whether the CUDA driver is at least `PDL_MIN_DRIVER`; if not, one log line, and launches go without PDL."""
+    version = nvrtc.driver_version()
+    if version < PDL_MIN_DRIVER:
+        logger.info("the decode step's kernels launch without Programmatic Dependent Launch: CUDA driver %d.%d is "
+                    "older than %d.%d", version // 1000, version % 1000 // 10, PDL_MIN_DRIVER // 1000,
+                    PDL_MIN_DRIVER % 1000 // 10)  # fmt: skip
+        return False
+    return True
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[MMAConfig]:

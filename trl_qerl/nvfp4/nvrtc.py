@@ -93,6 +93,13 @@ def nvrtc_version() -> tuple[int, int]:
     return major.value, minor.value
 
 
+def driver_version() -> int:
+    """The CUDA driver's version as ``cuDriverGetVersion`` gives it (1000 x major + 10 x minor: 12030 for 12.3)."""
+    version = ctypes.c_int()
+    _check_cuda(cuda_driver().cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+    return version.value
+
+
 def cuda_driver() -> ctypes.CDLL:
     """The CUDA driver library."""
     global _CUDA
