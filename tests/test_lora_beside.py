@@ -351,16 +351,18 @@ def test_rollout_benchmark_own_choice_engines_keep_the_defaults_and_their_choice
     with engine_environment("default+untimed_lora"):
         assert defaults() == shipped and kernels.TIME_WITH_LORA is False
     assert kernels.TIME_WITH_LORA == time_with_lora
+    programmatic = cuda_mma.PROGRAMMATIC
     with engine_environment("default+pdl"):
         assert defaults() == shipped and cuda_mma.PROGRAMMATIC is True
     with engine_environment("default+pdl_rotary"):  # two modules' settings
         assert defaults() == shipped and cuda_mma.PROGRAMMATIC is True and fused_decode.ROTARY_IN_ATTENTION
     with engine_environment("default+no_pdl"):
         assert defaults() == shipped and cuda_mma.PROGRAMMATIC is False
+    plain_shrink = fused_decode.PLAIN_SHRINK
     with engine_environment("default+plain_shrink"):
         assert defaults() == shipped and fused_decode.PLAIN_SHRINK
-    assert not fused_decode.PLAIN_SHRINK
-    assert cuda_mma.PROGRAMMATIC is None and fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
+    assert fused_decode.PLAIN_SHRINK == plain_shrink
+    assert cuda_mma.PROGRAMMATIC == programmatic and fused_decode.ROTARY_IN_ATTENTION == rotary_in_attention
     (tmp_path / "table.json").write_text("{}")
     with engine_environment("default+alt_choices", str(tmp_path / "table.json")):
         assert defaults() == shipped

@@ -36,7 +36,7 @@ def hopper_capability(monkeypatch):
 def test_programmatic_launch_follows_the_setting_then_the_environment_then_the_rows(monkeypatch, hopper_capability):
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     most = cuda_mma.PDL_MAX_ROWS
-    assert cuda_mma.PROGRAMMATIC is None  # the default: decode steps of few rows
+    monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", None)  # neither forced on nor off: steps of few rows
     assert cuda_mma.programmatic_launch(gpu, 1) and cuda_mma.programmatic_launch(gpu, most)
     assert not cuda_mma.programmatic_launch(gpu, most + 1) and not cuda_mma.programmatic_launch(cpu, 1)
     monkeypatch.setenv("NVFP4_PDL", "0")
@@ -65,6 +65,7 @@ def test_triton_launches_ask_for_pdl_only_where_it_runs(monkeypatch, hopper_capa
     from trl_qerl.rollout._pdl_kernel import launch_options
 
     gpu, rows = torch.device("cuda", 0), cuda_mma.PDL_MAX_ROWS
+    monkeypatch.setattr(cuda_mma, "PROGRAMMATIC", None)
     assert launch_options(gpu, rows) == {"PDL": True, "launch_pdl": True}
     assert launch_options(gpu, rows + 1) == {"PDL": False}
     assert launch_options(torch.device("cpu"), 1) == {"PDL": False}  # (the interpreter: no launch option, no wait)
