@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -129,9 +128,10 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+plain_shrink": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
-``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (``NVFP4_PDL=1`` while that engine
-captures and runs): the NVFP4 decode kernel and, since 2026-12-07, the rollout's Triton kernels (`rollout._pdl_kernel`;
-the ``fused+compile+pdl`` engines measured the NVFP4 kernel alone on 2026-12-02). ``+compact``: rows still decoding move to a smaller step once at most half are left
+``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (`cuda_mma.PROGRAMMATIC` True while that
+engine captures and runs; the other named engines launch without it): the NVFP4 decode kernel and, since 2026-12-07,
+the rollout's Triton kernels (`rollout._pdl_kernel`; the ``fused+compile+pdl`` engines measured the NVFP4 kernel alone
+on 2026-12-02). ``+compact``: rows still decoding move to a smaller step once at most half are left
 (`StaticCacheGenerator(compact_finished=True)`; measure it with ``--eos-rate``). ``+lora_unfused``: LoRA terms
 expanded by their own kernels instead of the NVFP4 kernel's epilogue (`fused_decode.LORA_EPILOGUE` False while that
 engine compiles and captures; the default engines above add them in the epilogue). ``+shrink_unfused``: the LoRA
@@ -174,10 +174,11 @@ named engines; captured states keep their order; the generator's default since 2
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
-``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with
-the named engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the
-chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines time their
-keys themselves. Compare them with ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
+``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+own_choices``): the generator's defaults (as
+``default``; before 2026-12-06 these engines ran with the named engines' settings) with that suffix's settings
+while the engine runs, and its own kernel choices: the chooser starts from the shipped table and forgets what that
+engine timed afterwards, so the other engines time their keys themselves. Compare them with ``default+own_choices`` (no
+settings), not with ``default``, whose choices stay."""
 
 
 SHIPPED_CHOICES = dict(kernels.CHOOSER.choices)
@@ -212,7 +213,8 @@ Dependent Launch (`cuda_mma.PROGRAMMATIC`; the kernels it times run so too), the
 and the cache writes in the attention's partials launch (which then follows the NVFP4 q/k/v product, a PDL kernel, not
 inductor's rotary kernel), with no kernel launched so (the default before 2026-12-07: `cuda_mma.PROGRAMMATIC` False;
 the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), with the o projection's LoRA shrink in our own launch
-(`fused_decode.PLAIN_SHRINK`), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
+(`fused_decode.PLAIN_SHRINK`), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of
+them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""
@@ -240,12 +242,12 @@ def twiddled_agreement(model, engine: str, batch: int, prompt_tokens: int, vocab
 
 @contextlib.contextmanager
 def engine_environment(engine: str, alt_choices: str | None = None, shrink_settings: str | None = None):
-    """``NVFP4_PDL=1`` for the ``+pdl`` engines (read at every launch, so captured graphs keep it),
-    ``LORA_EPILOGUE = False`` for the ``+lora_unfused`` ones and ``FUSED_SHRINK = False`` for the ``+shrink_unfused``
-    ones (read when a layer compiles), per-row shrinks for the ``+shrink_per_row`` ones, the split-KV merge in
-    the partials launch for the ``+one_launch_attention`` ones (read at each call: captured graphs keep it), the table
-    ``alt_choices`` over the kernel choices for the ``+alt_choices`` ones (read at each uncaptured call; captured
-    graphs keep the launch), the shrink kernels' settings for the ``+norm_shrink_before`` and ``+shrink_settings``
+    """The settings of ``engine`` (see `ENGINES`) while the block runs: ``LORA_EPILOGUE = False`` for the
+    ``+lora_unfused`` engines and ``FUSED_SHRINK = False`` for the ``+shrink_unfused`` ones (read when a layer
+    compiles), per-row shrinks for the ``+shrink_per_row`` ones, the split-KV merge in the partials launch for the
+    ``+one_launch_attention`` ones (read at each call: captured graphs keep it), the table ``alt_choices`` over the
+    kernel choices for the ``+alt_choices`` ones (read at each uncaptured call; captured graphs keep the launch), the
+    shrink kernels' settings for the ``+norm_shrink_before`` and ``+shrink_settings``
     ones (read at each launch: captured graphs keep them), ``ADD_IN_NEXT_NORM = False`` for the ``+add_in_layer``
     ones (read when a layer compiles and at each uncaptured step), ``LORA_ROW_KERNELS = False`` for the ``+lora_cublas``
     ones (read when a layer compiles and at each uncaptured step), ``LORA_SHRINK_BESIDE`` True from 17 rows for the
@@ -268,8 +270,6 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     if own is not None:
         kernels.CHOOSER.choices.clear()
         kernels.CHOOSER.choices.update(SHIPPED_CHOICES)
-    if pdl:
-        os.environ["NVFP4_PDL"] = "1"
     if alternative:
         if alt_choices is None:
             raise SystemExit(f"engine {engine!r} needs --alt-choices FILE (a table saved by bench_kernels.py)")
@@ -309,8 +309,6 @@ def engine_environment(engine: str, alt_choices: str | None = None, shrink_setti
     finally:
         decode_attention.MERGE_IN_PARTIALS = merge_in_partials
         fast.LANE_ORDER = lane_order
-        if pdl:
-            os.environ.pop("NVFP4_PDL", None)
         fused_decode.LORA_EPILOGUE, fused_decode.FUSED_SHRINK = epilogue, shrink
         fused_decode.ADD_IN_NEXT_NORM = add_in_next_norm
         fused_decode.LORA_ROW_KERNELS = row_kernels

@@ -155,8 +155,9 @@ def _split_kv_builds(module, folder: Path) -> dict[str, tuple[list[str], dict[st
     for dtype, name in ((tl.bfloat16, "bf16"), (tl.float32, "fp32")):
         for merge in merges:
             precision = "ieee" if name == "fp32" else "tf32"
+            merge_tiles = {f"MERGE_{key}": value for key, value in tiles.items()}
             constexprs = dict(shape, CHUNK=64, BLOCK=32, DOT_DTYPE=dtype, DOT_PRECISION=precision, MERGE=merge,
-                              ROTARY=False, IO=dtype, **{f"MERGE_{key}": value for key, value in tiles.items()})  # fmt: skip
+                              ROTARY=False, IO=dtype, **merge_tiles)  # fmt: skip
             label = f"partials {name}" + (" + merge" if merge else "")
             builds[label] = _build(module._partials_kernel, constexprs, name, folder, attention.PARTIALS_WARPS)
     return builds

@@ -296,8 +296,8 @@ def test_row_kernels_need_no_stack_on_hopper(tmp_path):
     launcher takes at 8 rows: 4). That last tile (4 x 8,192 fp32 over 8 warps) may keep a few words on the stack:
     48 bytes with Triton 3.3 and 3.6, none with 3.9; built so (Triton 3.6, H100, 2026-12-06) it was the faster layout,
     14B gate/up at 8 rows 7.3 -> 3.9 µs (`_fused_shrink_kernel.NORM_TARGET_PROGRAMS`). The same tile taking two rank
-    blocks in turn (`norm_passes`) keeps none (Triton 3.3.1, 3.6 and 3.9), nor does the plain shrink (`_shrink_kernel`, the
-    o projection's) of such a row at 8 rows (108 / 114 registers with Triton 3.9 / 3.6)."""
+    blocks in turn (`norm_passes`) keeps none (Triton 3.3.1, 3.6 and 3.9), nor does the plain shrink (`_shrink_kernel`,
+    the o projection's) of such a row at 8 rows (108 / 114 registers with Triton 3.9 / 3.6)."""
     resources = compiled_in_subprocess(__file__, tmp_path)
     assert len(resources) == 11
     for kernel, usage in resources.items():
