@@ -6,7 +6,8 @@ transformers StaticCache; ``fused`` runs `FusedDecoder` eagerly; ``fused+compile
 ``fused+compile+split_kv`` also takes the split-KV decode attention kernel instead of SDPA; ``+pdl`` launches the
 NVFP4 decode kernel with Programmatic Dependent Launch. Each is
 captured as a CUDA graph. ``--profile`` adds, per engine, the kernels of one (uncaptured) decode step at each of
-``--profile-batches`` by name and category: the same kernels the graph replays.
+``--profile-batches`` by name and category: the same kernels the graph replays; and the idle time between the kernels of
+a few graph replays, by the pair of kernels around it.
 
 Random weights at real Qwen2.5 shapes are built directly on the GPU (no checkpoint). Prompts of exactly
 ``--prompt-tokens`` random tokens, sampling at temperature 1 (random weights practically never emit EOS, so every
@@ -401,6 +402,63 @@ def profile_step(generator, label, rows):
                                      for n, (c, t) in sorted(names.items(), key=lambda item: -item[1][1])]})  # fmt: skip
 
 
+def kernel_gaps(kernels: list[tuple[str, float, float]], replays: int) -> dict | None:
+    """``{"kernels", "span", "idle", "overlap", "gaps"}`` of ``replays`` equal steps' ``(name, start, end)`` kernels
+    (µs, in start order): per step the time from its first start to its last end (the median step), and each kernel's
+    start against the latest end before it in its step, averaged per step by the pair of names around it (negative:
+    it overlapped), with their positive and negative sums. None when a step has fewer than two kernels or the count
+    does not split into equal steps."""
+    per_step, extra = divmod(len(kernels), replays)
+    if per_step < 2 or extra:
+        return None
+    gaps, spans = {}, []
+    for first in range(0, len(kernels), per_step):
+        step = kernels[first : first + per_step]
+        latest_end = step[0][2]
+        spans.append(max(end for _, _, end in step) - step[0][1])
+        for (before, _, _), (name, start, end) in zip(step, step[1:]):
+            pair = (before, name)
+            gaps[pair] = gaps.get(pair, 0.0) + (start - latest_end) / replays
+            latest_end = max(latest_end, end)
+    return {"kernels": per_step, "span": sorted(spans)[len(spans) // 2],
+            "idle": sum(g for g in gaps.values() if g > 0), "overlap": -sum(g for g in gaps.values() if g < 0),
+            "gaps": dict(sorted(gaps.items(), key=lambda item: -abs(item[1])))}  # fmt: skip
+
+
+def profile_replay(generator, label, rows, replays: int = 4, top: int = 10):
+    """Where the captured decode step's wall time goes between its kernels (`kernel_gaps` of ``replays`` graph
+    replays). Kernel time alone (`profile_step`) cannot tell a change that adds idle time between kernels from one
+    that does not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = next(iter(generator._states.values()))
+    if state.graph is None:
+        return
+    position = int(state.cache_position)
+    with generator._twiddled(state):  # (as in `profile_step`; private, trl-qerl 2026-12-03)
+        state.cache_position.fill_(position - replays - 2)  # stay inside the cache and the output buffers
+        state.step_index.fill_(1)
+        state.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                state.replay()
+            torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sorted(((e.name[:40], e.time_range.start, e.time_range.end) for e in events), key=lambda k: k[1])
+    found = kernel_gaps(kernels, replays)
+    if found is None:
+        print(f"\nreplay {label}: {len(kernels)} kernels in {replays} replays do not split into steps")
+        return
+    print(f"\nreplay {label}: {found['kernels']} kernels, {found['span'] / 1e3:.2f} ms from first start to last end "
+          f"per step; {found['idle'] / 1e3:.3f} ms idle between kernels, {found['overlap'] / 1e3:.3f} ms overlapped")  # fmt: skip
+    for (before, after), gap in list(found["gaps"].items())[:top]:
+        print(f"  {gap:8.1f} µs  {before} -> {after}")
+    rows.append({"replay": label, "kernels": found["kernels"], "span_ms": found["span"] / 1e3,
+                 "idle_ms": found["idle"] / 1e3, "overlap_ms": found["overlap"] / 1e3,
+                 "gaps_us": [{"before": b, "after": a, "us": g} for (b, a), g in found["gaps"].items()]})  # fmt: skip
+
+
 def measure(name, make_call, batch, new_tokens, rows, repeat_first=True, count_tokens=False):
     """Time ``make_call`` (twice unless ``repeat_first`` is False). ``count_tokens``: the call returns completions
     whose lengths vary (EOS spread): tokens/s counts what was generated, ms/step divides by the longest row."""
@@ -563,6 +621,7 @@ def main() -> None:
                 for batch in args.profile_batches if args.profile else ():
                     ours(generator, batch, args.prompt_tokens, 8, vocab)()
                     profile_step(generator, f"{engine}, {label}, batch {batch}", rows)
+                    profile_replay(generator, f"{engine}, {label}, batch {batch}", rows)
             print(f"graph captures ({engine}): {generator.captures}; compactions: {generator.compactions}", flush=True)
             del generator
             torch.cuda.empty_cache()

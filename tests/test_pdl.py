@@ -189,3 +189,22 @@ def test_a_decode_step_launched_with_pdl_draws_the_same_tokens(monkeypatch, batc
 
 if __name__ == "__main__":  # the compiling subprocess: python test_pdl.py <results.json>
     Path(sys.argv[1]).write_text(json.dumps(_pdl_builds(Path(sys.argv[1]).parent)))
+
+
+def test_replay_gaps_split_idle_and_overlapped_time_by_kernel_pair():
+    """`bench_rollout.kernel_gaps`, which tells PDL's overlap from idle time between a captured step's kernels: each
+    kernel's start against the latest end before it in its step, averaged per step by the pair of names."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_rollout import kernel_gaps
+
+    steps = [("a", 0.0, 10.0), ("b", 12.0, 20.0), ("c", 19.0, 30.0), ("a", 100.0, 110.0), ("b", 113.0, 121.0),
+             ("c", 118.0, 125.0)]  # fmt: skip
+    found = kernel_gaps(steps, replays=2)
+    assert found["kernels"] == 3
+    assert found["gaps"] == {("a", "b"): 2.5, ("b", "c"): -2.0}
+    assert (found["idle"], found["overlap"]) == (2.5, 2.0)
+    assert found["span"] == 30.0  # the median of 30 and 25 µs: the later of an even count
+    # A kernel that ends before one that started earlier does not hide that earlier one's end.
+    nested = kernel_gaps([("long", 0.0, 50.0), ("short", 5.0, 10.0), ("next", 52.0, 60.0)], replays=1)
+    assert nested["gaps"] == {("long", "short"): -45.0, ("short", "next"): 2.0}
+    assert kernel_gaps(steps[:5], replays=2) is None
