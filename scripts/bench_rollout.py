@@ -126,7 +126,8 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+pdl": dict(engine="auto"),
            "default+pdl_rotary": dict(engine="auto"),
            "default+no_pdl": dict(engine="auto"),
-           "default+plain_shrink": dict(engine="auto")}  # fmt: skip
+           "default+plain_shrink": dict(engine="auto"),
+           "default+plain_rotary": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (`cuda_mma.PROGRAMMATIC` True while that
@@ -175,11 +176,11 @@ named engines; captured states keep their order; the generator's default since 2
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
-``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+own_choices``): the generator's defaults (as
-``default``; before 2026-12-06 these engines ran with the named engines' settings) with that suffix's settings
-while the engine runs, and its own kernel choices: the chooser starts from the shipped table and forgets what that
-engine timed afterwards, so the other engines time their keys themselves. Compare them with ``default+own_choices`` (no
-settings), not with ``default``, whose choices stay."""
+``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+plain_rotary``, ``+own_choices``): the generator's
+defaults (as ``default``; before 2026-12-06 these engines ran with the named engines' settings) with that suffix's
+settings while the engine runs, and its own kernel choices: the chooser starts from the shipped table and forgets what
+that engine timed afterwards, so the other engines time their keys themselves. Compare them with
+``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
 
 
 SHIPPED_CHOICES = dict(kernels.CHOOSER.choices)
@@ -198,6 +199,7 @@ OWN_CHOICE_ENGINES = {
     "+no_pdl": (cuda_mma, {"PROGRAMMATIC": False}),
     "+plain_shrink": (fused_decode, {"PLAIN_SHRINK": True}),
     "+pdl_rotary": ((cuda_mma, {"PROGRAMMATIC": True}), (fused_decode, {"ROTARY_IN_ATTENTION": True})),
+    "+plain_rotary": (fused_decode, {"PLAIN_SHRINK": True, "ROTARY_IN_ATTENTION": True}),
     "+own_choices": (kernels, {}),
 }
 """Engine suffixes and the module settings (`module_settings`) that change which kernels the chooser times: without the wgmma kernel's spread
@@ -214,7 +216,9 @@ Dependent Launch (`cuda_mma.PROGRAMMATIC`; the kernels it times run so too), the
 and the cache writes in the attention's partials launch (which then follows the NVFP4 q/k/v product, a PDL kernel, not
 inductor's rotary kernel), with no kernel launched so (the default before 2026-12-07: `cuda_mma.PROGRAMMATIC` False;
 the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), with the o projection's LoRA shrink in our own launch
-(`fused_decode.PLAIN_SHRINK`), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of
+(`fused_decode.PLAIN_SHRINK`), the same with the rotary embedding and the cache writes in the attention's
+partials launch (at up to `cuda_mma.PDL_MAX_ROWS` rows every kernel of a layer is then a PDL launch of ours), and none
+(the control). A suffix takes one ``(module, settings)`` pair or a tuple of
 them."""
 
 GROUP_SUMS = 8
