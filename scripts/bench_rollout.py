@@ -410,10 +410,10 @@ def kernel_gaps(kernels: list[tuple[str, float, float]], replays: int) -> dict |
     """``{"kernels", "span", "idle", "overlap", "gaps", "times", "calls"}`` of ``replays`` equal steps' ``(name,
     start, end)`` kernels (µs, in start order): per step the time from its first start to its last end (the median
     step), and each kernel's start against the latest end before it in its step, averaged per step by the pair of
-    names around it (negative: it overlapped), with their positive and negative sums; and per pair the later kernel's
-    own time and calls per step (the pair tells products of one kernel apart by what comes before them: the q/k/v
-    product follows a norm, the o product the attention). None when a step has fewer than two kernels or the count
-    does not split into equal steps."""
+    names around it (negative: it overlapped), with their positive and negative sums; and each kernel's own time and
+    calls per step by its name with the names of the kernels before and after it (``(before, name, after)``; that
+    tells apart the products one instance makes: q/k/v comes between a norm and the rotary, gate/up between a norm and
+    the SiLU). None when a step has fewer than two kernels or the count does not split into equal steps."""
     per_step, extra = divmod(len(kernels), replays)
     if per_step < 2 or extra:
         return None
@@ -422,11 +422,12 @@ def kernel_gaps(kernels: list[tuple[str, float, float]], replays: int) -> dict |
         step = kernels[first : first + per_step]
         latest_end = step[0][2]
         spans.append(max(end for _, _, end in step) - step[0][1])
-        for (before, _, _), (name, start, end) in zip(step, step[1:]):
-            pair = (before, name)
+        afters = [name for name, _, _ in step[2:]] + [""]
+        for (before, _, _), (name, start, end), after in zip(step, step[1:], afters):
+            pair, around = (before, name), (before, name, after)
             gaps[pair] = gaps.get(pair, 0.0) + (start - latest_end) / replays
-            times[pair] = times.get(pair, 0.0) + (end - start) / replays
-            calls[pair] = calls.get(pair, 0) + 1
+            times[around] = times.get(around, 0.0) + (end - start) / replays
+            calls[around] = calls.get(around, 0) + 1
             latest_end = max(latest_end, end)
     return {"kernels": per_step, "span": sorted(spans)[len(spans) // 2],
             "idle": sum(g for g in gaps.values() if g > 0), "overlap": -sum(g for g in gaps.values() if g < 0),
@@ -464,15 +465,15 @@ def profile_replay(generator, label, rows, replays: int = 4, top: int = 10):
           f"per step; {found['idle'] / 1e3:.3f} ms idle between kernels, {found['overlap'] / 1e3:.3f} ms overlapped")  # fmt: skip
     for (before, after), gap in list(found["gaps"].items())[:top]:
         print(f"  {gap:8.1f} µs  {before} -> {after}")
-    print("  kernel time per step by the kernel before it:")
-    for (before, after), time_us in list(found["times"].items())[:top]:
-        calls = found["calls"][before, after]
-        print(f"  {time_us:8.1f} µs  {calls:4d}x {after} (after {before}): {time_us / calls:.2f} µs a call")
+    print("  kernel time per step by the kernels before and after it:")
+    for (before, name, after), time_us in list(found["times"].items())[:top]:
+        calls = found["calls"][before, name, after]
+        print(f"  {time_us:8.1f} µs  {calls:4d}x {name} ({before} -> · -> {after}): {time_us / calls:.2f} µs a call")
     rows.append({"replay": label, "kernels": found["kernels"], "span_ms": found["span"] / 1e3,
                  "idle_ms": found["idle"] / 1e3, "overlap_ms": found["overlap"] / 1e3,
                  "gaps_us": [{"before": b, "after": a, "us": g} for (b, a), g in found["gaps"].items()],
-                 "times_us": [{"before": b, "after": a, "us": t, "calls": found["calls"][b, a]}
-                              for (b, a), t in found["times"].items()]})  # fmt: skip
+                 "times_us": [{"before": b, "name": n, "after": a, "us": t, "calls": found["calls"][b, n, a]}
+                              for (b, n, a), t in found["times"].items()]})  # fmt: skip
 
 
 def measure(name, make_call, batch, new_tokens, rows, repeat_first=True, count_tokens=False):

@@ -204,8 +204,8 @@ def test_replay_gaps_split_idle_and_overlapped_time_by_kernel_pair():
     assert found["gaps"] == {("a", "b"): 2.5, ("b", "c"): -2.0}
     assert (found["idle"], found["overlap"]) == (2.5, 2.0)
     assert found["span"] == 30.0  # the median of 30 and 25 µs: the later of an even count
-    assert found["times"] == {("b", "c"): 9.0, ("a", "b"): 8.0}
-    assert found["calls"] == {("a", "b"): 1, ("b", "c"): 1}
+    assert found["times"] == {("b", "c", ""): 9.0, ("a", "b", "c"): 8.0}
+    assert found["calls"] == {("a", "b", "c"): 1, ("b", "c", ""): 1}
     # A kernel that ends before one that started earlier does not hide that earlier one's end.
     nested = kernel_gaps([("long", 0.0, 50.0), ("short", 5.0, 10.0), ("next", 52.0, 60.0)], replays=1)
     assert nested["gaps"] == {("long", "short"): -45.0, ("short", "next"): 2.0}
