@@ -187,10 +187,6 @@ def test_a_decode_step_launched_with_pdl_draws_the_same_tokens(monkeypatch, batc
     assert pdl.logprobs == plain.logprobs
 
 
-if __name__ == "__main__":  # the compiling subprocess: python test_pdl.py <results.json>
-    Path(sys.argv[1]).write_text(json.dumps(_pdl_builds(Path(sys.argv[1]).parent)))
-
-
 def test_replay_gaps_split_idle_and_overlapped_time_by_kernel_pair():
     """`bench_rollout.kernel_gaps`, which tells PDL's overlap from idle time between a captured step's kernels: each
     kernel's start against the latest end before it in its step, averaged per step by the pair of names."""
@@ -210,3 +206,7 @@ def test_replay_gaps_split_idle_and_overlapped_time_by_kernel_pair():
     nested = kernel_gaps([("long", 0.0, 50.0), ("short", 5.0, 10.0), ("next", 52.0, 60.0)], replays=1)
     assert nested["gaps"] == {("long", "short"): -45.0, ("short", "next"): 2.0}
     assert kernel_gaps(steps[:5], replays=2) is None
+
+
+if __name__ == "__main__":  # the compiling subprocess: python test_pdl.py <results.json>
+    Path(sys.argv[1]).write_text(json.dumps(_pdl_builds(Path(sys.argv[1]).parent)))
