@@ -108,6 +108,16 @@ def record_calls(monkeypatch, module, names) -> dict[str, bool]:
     return calls
 
 
+def assert_first_draws_agree(ours, theirs, draws: int = 3) -> None:
+    """Greedy samples of a compiled step against a reference: each completion's first ``draws`` tokens equal and their
+    log-probs within 0.05 (later tokens may flip at a near-tie: the products' fp32 sums run in another order)."""
+    for our_ids, their_ids, our_logprobs, their_logprobs in zip(
+        ours.completion_ids, theirs.completion_ids, ours.logprobs, theirs.logprobs
+    ):
+        assert our_ids[:draws] == their_ids[:draws]
+        assert torch.allclose(torch.tensor(our_logprobs[:draws]), torch.tensor(their_logprobs[:draws]), atol=0.05)
+
+
 def fused_samples_with_and_without(
     monkeypatch, setting: str, recorded: tuple[str, ...], device: str = "cuda", compile: bool = True,
     arch: str = "qwen2", rank: int = 16, prompts: list[list[int]] | None = None, decode_attention: str = "auto",
