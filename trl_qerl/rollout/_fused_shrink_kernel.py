@@ -433,13 +433,19 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _norm_layout(groups: int, width: int, lora_a: list[torch.Tensor]) -> tuple[int, int]:
+    """(columns a step, A rows a program) of the norm shrinks' layout for ``groups`` programs along the rows: steps
+    of up to `NORM_MAX_BLOCK_K` columns, rank blocks within `NORM_TILE` for `NORM_TARGET_PROGRAMS` programs."""
+    columns = block_k(width, NORM_MAX_BLOCK_K)
+    return columns, rank_block(groups, [a.shape[0] for a in lora_a], columns, NORM_TILE, NORM_TARGET_PROGRAMS)
+
+
 def norm_shrink(x, residual, weight, eps, lora_a, s, h, t) -> None:
     """Fill ``h`` (and ``s = x + residual`` where ``residual`` is given) and ``t`` (see `fused_shrink`)."""
     rows, width = x.shape
-    columns = block_k(width, NORM_MAX_BLOCK_K)
     per_program = min(NORM_ROWS, rows)
     groups = triton.cdiv(rows, per_program)
-    block = rank_block(groups, [a.shape[0] for a in lora_a], columns, NORM_TILE, NORM_TARGET_PROGRAMS)
+    columns, block = _norm_layout(groups, width, lora_a)
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     has_residual = residual is not None
     residual = residual if has_residual else x
@@ -487,11 +493,10 @@ def silu_mul_shrink(gate, up, lora_a, y, t) -> None:
 
 def shrink(x, lora_a, t) -> None:
     """Fill ``t = x @ A.T`` (fp32, the A matrices' products side by side) for ``x[M, K]`` whose rows no fused kernel
-    makes (the o projection's input, from the attention): the norm shrinks' layout without the norm (rows of up to
-    `NORM_MAX_BLOCK_K` columns in one step)."""
+    makes (the o projection's input, from the attention): the norm shrinks' layout (`_norm_layout`) without the
+    norm."""
     rows, width = x.shape
-    columns = block_k(width, NORM_MAX_BLOCK_K)
-    block = rank_block(rows, [a.shape[0] for a in lora_a], columns, NORM_TILE, NORM_TARGET_PROGRAMS)
+    columns, block = _norm_layout(rows, width, lora_a)
     (a0, a1, a2), rank0, rank1 = _adapter_args(lora_a)
     _shrink_kernel[(rows, t.shape[1] // block)](
         x, a0, a1, a2, t, width, rank0, rank1, x.stride(0), t.stride(0),
