@@ -218,8 +218,7 @@ inductor's rotary kernel), with no kernel launched so (the default before 2026-1
 the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), with the o projection's LoRA shrink in our own launch
 (`fused_decode.PLAIN_SHRINK`), the same with the rotary embedding and the cache writes in the attention's
 partials launch (at up to `cuda_mma.PDL_MAX_ROWS` rows every kernel of a layer is then a PDL launch of ours), and none
-(the control). A suffix takes one ``(module, settings)`` pair or a tuple of
-them."""
+(the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""
@@ -368,15 +367,23 @@ def category(kernel: str) -> str:
     return "elementwise / norms / glue"
 
 
+@contextlib.contextmanager
+def rewound_state(generator, steps: int):
+    """``generator``'s decode state of its last call, ``steps`` positions back (so that as many steps stay inside the
+    cache and the output buffers), with the codes and builds its step was captured for. (Private state, read in this
+    one place: trl-qerl 2026-12-03.)"""
+    state = next(iter(generator._states.values()))
+    state.cache_position.fill_(int(state.cache_position) - steps)
+    state.step_index.fill_(1)
+    with generator._twiddled(state):
+        yield state
+
+
 def profile_step(generator, label, rows):
     """Kernels of one eager decode step of ``generator``'s current state (batch and shape of its last call)."""
     from torch.profiler import ProfilerActivity, profile
 
-    state = next(iter(generator._states.values()))
-    position = int(state.cache_position)
-    state.cache_position.fill_(position - 2)  # stay inside the cache and the output buffers
-    state.step_index.fill_(1)
-    with generator._twiddled(state):  # (the codes and builds the step was captured for; private, trl-qerl 2026-12-03)
+    with rewound_state(generator, 2) as state:
         state.step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -442,13 +449,9 @@ def profile_replay(generator, label, rows, replays: int = 4, top: int = 10):
     that does not."""
     from torch.profiler import ProfilerActivity, profile
 
-    state = next(iter(generator._states.values()))
-    if state.graph is None:
-        return
-    position = int(state.cache_position)
-    with generator._twiddled(state):  # (as in `profile_step`; private, trl-qerl 2026-12-03)
-        state.cache_position.fill_(position - replays - 2)  # stay inside the cache and the output buffers
-        state.step_index.fill_(1)
+    with rewound_state(generator, replays + 2) as state:
+        if state.graph is None:
+            return
         state.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
