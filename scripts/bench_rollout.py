@@ -414,36 +414,70 @@ def profile_step(generator, label, rows):
 
 
 def kernel_gaps(kernels: list[tuple[str, float, float]], replays: int) -> dict | None:
-    """``{"kernels", "span", "idle", "overlap", "gaps", "times", "calls"}`` of ``replays`` equal steps' ``(name,
-    start, end)`` kernels (µs, in start order): per step the time from its first start to its last end (the median
-    step), and each kernel's start against the latest end before it in its step, averaged per step by the pair of
-    names around it (negative: it overlapped), with their positive and negative sums; and each kernel's own time and
-    calls per step by its name with the names of the kernels before and after it (``(before, name, after)``; that
-    tells apart the products one instance makes: q/k/v comes between a norm and the rotary, gate/up between a norm and
-    the SiLU). None when a step has fewer than two kernels or the count does not split into equal steps."""
+    """``{"kernels", "span", "idle", "overlap", "gaps", "widest", "times", "calls"}`` of ``replays`` equal steps'
+    ``(name, start, end)`` kernels (µs, in start order), each the median over the steps (one step's hiccup, such as
+    the profiler's own start, does not count as the step's cost): the time from a step's first start to its last end;
+    each kernel's start against the latest end before it in its step, summed per step by the pair of names around it
+    (negative: it overlapped), with their positive and negative sums; ``widest``, each pair's largest sum in any one
+    step (far above its median: an outlier); and each kernel's own time and calls per step by its name with the names
+    of the kernels before and after it (``(before, name, after)``; that tells apart the products one instance makes:
+    q/k/v comes between a norm and the rotary, gate/up between a norm and the SiLU). None when a step has fewer than
+    two kernels or the count does not split into equal steps."""
     per_step, extra = divmod(len(kernels), replays)
     if per_step < 2 or extra:
         return None
-    gaps, times, calls, spans = {}, {}, {}, []
+    step_gaps, step_times, calls, spans = [], [], {}, []
     for first in range(0, len(kernels), per_step):
         step = kernels[first : first + per_step]
-        latest_end = step[0][2]
+        gaps, times, latest_end = {}, {}, step[0][2]
         spans.append(max(end for _, _, end in step) - step[0][1])
         afters = [name for name, _, _ in step[2:]] + [""]
         for (before, _, _), (name, start, end), after in zip(step, step[1:], afters):
             pair, around = (before, name), (before, name, after)
-            gaps[pair] = gaps.get(pair, 0.0) + (start - latest_end) / replays
-            times[around] = times.get(around, 0.0) + (end - start) / replays
+            gaps[pair] = gaps.get(pair, 0.0) + start - latest_end
+            times[around] = times.get(around, 0.0) + end - start
             calls[around] = calls.get(around, 0) + 1
             latest_end = max(latest_end, end)
-    return {"kernels": per_step, "span": sorted(spans)[len(spans) // 2],
+        step_gaps.append(gaps)
+        step_times.append(times)
+    gaps, times = _median_by_key(step_gaps), _median_by_key(step_times)
+    return {"kernels": per_step, "span": _median(spans),
             "idle": sum(g for g in gaps.values() if g > 0), "overlap": -sum(g for g in gaps.values() if g < 0),
             "gaps": dict(sorted(gaps.items(), key=lambda item: -abs(item[1]))),
+            "widest": {pair: max(step.get(pair, 0.0) for step in step_gaps) for pair in gaps},
             "times": dict(sorted(times.items(), key=lambda item: -item[1])),
             "calls": {pair: count // replays for pair, count in calls.items()}}  # fmt: skip
 
 
-def profile_replay(generator, label, rows, replays: int = 4, top: int = 10):
+def _median(values: list[float]) -> float:
+    """The middle value (of an even count, the later of the two)."""
+    return sorted(values)[len(values) // 2]
+
+
+def _median_by_key(per_step: list[dict]) -> dict:
+    """Each key's `_median` over the steps' dicts, a key a step lacks counting 0 there (two kernels that start at the
+    same time may sort either way)."""
+    keys = dict.fromkeys(key for step in per_step for key in step)
+    return {key: _median([step.get(key, 0.0) for step in per_step]) for key in keys}
+
+
+def _print_step_ends(events: list, per_step: int, shown: int = 3) -> None:
+    """The first and last ``shown`` kernels of the second replayed step (start against the step's first start,
+    duration; names in full, which `kernel_gaps` cuts), and the time between steps: the graph launch's own gap, which
+    the decode loop pays as well unless the host runs ahead."""
+    if len(events) < 2 * per_step:
+        return
+    step = events[per_step : 2 * per_step]
+    origin = step[0].time_range.start
+    for event in step[:shown] + step[-shown:]:
+        print(f"  at {event.time_range.start - origin:8.1f} µs for {event.time_range.end - event.time_range.start:6.1f}"
+              f" µs: {event.name[:110]}")  # fmt: skip
+    between = [events[first].time_range.start - max(e.time_range.end for e in events[first - per_step : first])
+               for first in range(per_step, len(events), per_step)]  # fmt: skip
+    print(f"  between steps: {', '.join(f'{gap:.1f}' for gap in between)} µs idle")
+
+
+def profile_replay(generator, label, rows, replays: int = 5, top: int = 10):
     """Where the captured decode step's wall time goes between its kernels (`kernel_gaps` of ``replays`` graph
     replays). Kernel time alone (`profile_step`) cannot tell a change that adds idle time between kernels from one
     that does not."""
@@ -459,7 +493,8 @@ def profile_replay(generator, label, rows, replays: int = 4, top: int = 10):
                 state.replay()
             torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = sorted(((e.name[:40], e.time_range.start, e.time_range.end) for e in events), key=lambda k: k[1])
+    events.sort(key=lambda e: e.time_range.start)
+    kernels = [(e.name[:40], e.time_range.start, e.time_range.end) for e in events]
     found = kernel_gaps(kernels, replays)
     if found is None:
         print(f"\nreplay {label}: {len(kernels)} kernels in {replays} replays do not split into steps")
@@ -467,14 +502,16 @@ def profile_replay(generator, label, rows, replays: int = 4, top: int = 10):
     print(f"\nreplay {label}: {found['kernels']} kernels, {found['span'] / 1e3:.2f} ms from first start to last end "
           f"per step; {found['idle'] / 1e3:.3f} ms idle between kernels, {found['overlap'] / 1e3:.3f} ms overlapped")  # fmt: skip
     for (before, after), gap in list(found["gaps"].items())[:top]:
-        print(f"  {gap:8.1f} µs  {before} -> {after}")
+        print(f"  {gap:8.1f} µs  {before} -> {after} (widest in one step: {found['widest'][before, after]:.1f} µs)")
+    _print_step_ends(events, found["kernels"])
     print("  kernel time per step by the kernels before and after it:")
     for (before, name, after), time_us in list(found["times"].items())[:top]:
         calls = found["calls"][before, name, after]
         print(f"  {time_us:8.1f} µs  {calls:4d}x {name} ({before} -> · -> {after}): {time_us / calls:.2f} µs a call")
     rows.append({"replay": label, "kernels": found["kernels"], "span_ms": found["span"] / 1e3,
                  "idle_ms": found["idle"] / 1e3, "overlap_ms": found["overlap"] / 1e3,
-                 "gaps_us": [{"before": b, "after": a, "us": g} for (b, a), g in found["gaps"].items()],
+                 "gaps_us": [{"before": b, "after": a, "us": g, "widest_us": found["widest"][b, a]}
+                             for (b, a), g in found["gaps"].items()],
                  "times_us": [{"before": b, "name": n, "after": a, "us": t, "calls": found["calls"][b, n, a]}
                               for (b, n, a), t in found["times"].items()]})  # fmt: skip
 

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -189,23 +190,47 @@ def test_a_decode_step_launched_with_pdl_draws_the_same_tokens(monkeypatch, batc
 
 def test_replay_gaps_split_idle_and_overlapped_time_by_kernel_pair():
     """`bench_rollout.kernel_gaps`, which tells PDL's overlap from idle time between a captured step's kernels: each
-    kernel's start against the latest end before it in its step, averaged per step by the pair of names."""
+    kernel's start against the latest end before it in its step, summed per step by the pair of names, the median
+    over the steps, so that one step's hiccup does not count as every step's cost (it shows as the pair's widest)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from bench_rollout import kernel_gaps
 
-    steps = [("a", 0.0, 10.0), ("b", 12.0, 20.0), ("c", 19.0, 30.0), ("a", 100.0, 110.0), ("b", 113.0, 121.0),
-             ("c", 118.0, 125.0)]  # fmt: skip
-    found = kernel_gaps(steps, replays=2)
+    steps = [("a", 0.0, 10.0), ("b", 12.0, 20.0), ("c", 19.0, 30.0),
+             ("a", 100.0, 110.0), ("b", 113.0, 121.0), ("c", 118.0, 125.0),
+             ("a", 200.0, 210.0), ("b", 611.0, 619.0), ("c", 617.0, 630.0)]  # fmt: skip
+    found = kernel_gaps(steps, replays=3)
     assert found["kernels"] == 3
-    assert found["gaps"] == {("a", "b"): 2.5, ("b", "c"): -2.0}
-    assert (found["idle"], found["overlap"]) == (2.5, 2.0)
-    assert found["span"] == 30.0  # the median of 30 and 25 µs: the later of an even count
-    assert found["times"] == {("b", "c", ""): 9.0, ("a", "b", "c"): 8.0}
+    assert found["gaps"] == {("a", "b"): 3.0, ("b", "c"): -2.0}  # the third step's 401 µs wait is not typical
+    assert found["widest"] == {("a", "b"): 401.0, ("b", "c"): -1.0}
+    assert (found["idle"], found["overlap"]) == (3.0, 2.0)
+    assert found["span"] == 30.0  # the median of 30, 25 and 430 µs
+    assert found["times"] == {("b", "c", ""): 11.0, ("a", "b", "c"): 8.0}
     assert found["calls"] == {("a", "b", "c"): 1, ("b", "c", ""): 1}
     # A kernel that ends before one that started earlier does not hide that earlier one's end.
     nested = kernel_gaps([("long", 0.0, 50.0), ("short", 5.0, 10.0), ("next", 52.0, 60.0)], replays=1)
     assert nested["gaps"] == {("long", "short"): -45.0, ("short", "next"): 2.0}
+    # Kernels of the same start may sort either way: a pair one step lacks counts 0 there.
+    swapped = kernel_gaps([("a", 0.0, 5.0), ("b", 6.0, 9.0), ("b", 20.0, 23.0), ("a", 20.0, 25.0)], replays=2)
+    assert swapped["gaps"] == {("a", "b"): 1.0, ("b", "a"): 0.0}
     assert kernel_gaps(steps[:5], replays=2) is None
+
+
+def test_replay_step_ends_show_a_typical_step_and_the_idle_time_between_steps(capsys):
+    """`bench_rollout._print_step_ends`: the second step's first and last kernels against its start, and each step's
+    first start against the latest end of the step before it."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_rollout import _print_step_ends
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("embed", 0, 2), event("matmul", 1, 9), event("draw", 9, 10),
+              event("embed", 15, 17), event("matmul", 16, 30), event("draw", 30, 31)]  # fmt: skip
+    _print_step_ends(events, per_step=3, shown=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["at", "0.0", "µs", "for", "2.0", "µs:", "embed"]
+    assert lines[1].split() == ["at", "15.0", "µs", "for", "1.0", "µs:", "draw"]
+    assert lines[2] == "  between steps: 5.0 µs idle"
 
 
 if __name__ == "__main__":  # the compiling subprocess: python test_pdl.py <results.json>
