@@ -539,15 +539,23 @@ def measure(name, make_call, batch, new_tokens, rows, repeat_first=True, count_t
     return row
 
 
-def decode_alone(full, prefill_only) -> None:
+def decode_alone(full, prefill_only, two_tokens=None) -> None:
     """Decode step without the call's fixed part: ``(t(n tokens) - t(1 token)) / (n - 1)`` from a full call and a
     prefill-only call (one new token) of the same path and batch, both timed in this run; added to the full call's
-    row."""
+    row. With ``two_tokens``, a call of two new tokens timed alike, also the step without what a rollout pays once
+    from its first decode step on (the decode window's weight reordering, which a one-token call skips):
+    ``(t(n) - t(2)) / (n - 2)``, and that once-per-rollout part, ``t(2) - t(1)`` less one such step."""
     if full is None or prefill_only is None or full["new_tokens"] < 2:
         return
     ms = 1e3 * (full["seconds"] - prefill_only["seconds"]) / (full["new_tokens"] - 1)
     full |= {"decode_ms_per_step": ms, "prefill_ms": 1e3 * prefill_only["seconds"]}
-    print(f"|   {full['backend']}: decode step alone {ms:.2f} ms, prefill + first draw "
+    split = ""
+    if two_tokens is not None and full["new_tokens"] > 2:
+        steady = 1e3 * (full["seconds"] - two_tokens["seconds"]) / (full["new_tokens"] - 2)
+        once = 1e3 * (two_tokens["seconds"] - prefill_only["seconds"]) - steady
+        full |= {"decode_ms_per_step_after_first": steady, "once_per_rollout_ms": once}
+        split = f" ({steady:.2f} ms from the second step on; once per rollout {once:.1f} ms)"
+    print(f"|   {full['backend']}: decode step alone {ms:.2f} ms{split}, prefill + first draw "
           f"{1e3 * prefill_only['seconds']:.1f} ms | {full['batch']} | | | |", flush=True)  # fmt: skip
 
 
@@ -601,8 +609,9 @@ def main() -> None:
                         help="also run each batch with this share of the vocabulary ending completions (a length "
                         "spread: what rows that finish early still cost)")  # fmt: skip
     parser.add_argument("--prefill", action="store_true",
-                        help="also time a prefill-only call (one new token) per path and batch, and from it the decode "
-                        "step alone: (full call - prefill-only call) / (new tokens - 1)")  # fmt: skip
+                        help="also time a prefill-only call (one new token) and a two-token call per path and batch "
+                        "of our engines, and from them the decode step alone: (full call - prefill-only call) / (new "
+                        "tokens - 1), and from the second step on: (full call - two-token call) / (new tokens - 2)")  # fmt: skip
     parser.add_argument("--generations", type=int, default=1,
                         help="rows per distinct prompt in our engines' calls (GRPO's num_generations; must divide "
                         "every batch); 1: every prompt distinct")  # fmt: skip
@@ -671,7 +680,10 @@ def main() -> None:
                         alone = measure(f"ours ({engine}), {label}, prefill only", ours(generator, batch,
                                         args.prompt_tokens, 1, vocab, generations=args.generations), batch, 1,
                                         rows)  # fmt: skip
-                        decode_alone(full, alone)
+                        two = measure(f"ours ({engine}), {label}, two tokens", ours(generator, batch,
+                                      args.prompt_tokens, 2, vocab, generations=args.generations), batch, 2,
+                                      rows)  # fmt: skip
+                        decode_alone(full, alone, two)
                     if args.profile_prefill:
                         profile_call(ours(generator, batch, args.prompt_tokens, 1, vocab, generations=args.generations),
                                      f"{engine}, {label}, batch {batch}, prefill only", rows)  # fmt: skip

@@ -655,3 +655,27 @@ def test_engine_decodes_twiddled_codes_as_the_standard_order(rows, lanes, monkey
         assert max(gaps) < 0.05, max(gaps)
         assert all(torch.equal(packed, before) for packed, before in zip(twiddled_engine.nvfp4_codes(), codes))
     assert not next(iter(standard_engine._states.values())).twiddled
+
+
+def test_decode_alone_splits_what_a_rollout_pays_once_from_the_steps(capsys):
+    """`bench_rollout.decode_alone`: with a two-token call besides the one-token call, the step from the second on and
+    the once-per-rollout part (the decode window's reordering) come apart; without it, the old figure alone."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_rollout import decode_alone
+
+    prefill, window, step = 0.050, 0.008, 0.003  # seconds: what the calls below are made of
+
+    def call(tokens):
+        return {"backend": "ours", "batch": 1, "new_tokens": tokens,
+                "seconds": prefill + (window + (tokens - 1) * step if tokens > 1 else 0.0)}  # fmt: skip
+
+    full = call(10)
+    decode_alone(full, call(1), call(2))
+    assert full["decode_ms_per_step"] == pytest.approx(1e3 * (window + 9 * step) / 9)
+    assert full["decode_ms_per_step_after_first"] == pytest.approx(1e3 * step)
+    assert full["once_per_rollout_ms"] == pytest.approx(1e3 * window)
+    assert "3.00 ms from the second step on; once per rollout 8.0 ms" in capsys.readouterr().out
+    without = call(10)
+    decode_alone(without, call(1))
+    assert "decode_ms_per_step_after_first" not in without
+    assert without["decode_ms_per_step"] == pytest.approx(full["decode_ms_per_step"])
