@@ -159,7 +159,8 @@ shrink (the o projection, after the attention), make ``x @ A.T`` in our own laun
 (`nvfp4.cuda_mma.PROGRAMMATIC`), so that attention, shrink and o product overlap at their boundaries. Off: on an H100
 (2026-12-07, 7B, `scripts/bench_rollout.py`'s ``default+plain_shrink`` against ``default+own_choices``) the decode step
 took 2.75-2.80 against 2.79-2.85 ms at batch 1 but 3.98-4.09 against 3.36-3.42 ms at batch 8, with the same kernels and
-kernel time: the loss is idle time between the captured step's kernels, not yet explained."""
+kernel time uncaptured. The replay profile (forty-third session) puts the loss in the captured step's kernels, not
+between them: the same idle time, but the down product 27.2 -> 39.4 µs a call; why is not yet known."""
 
 
 ROTARY_IN_ATTENTION = False
