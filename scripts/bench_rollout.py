@@ -127,7 +127,9 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+pdl_rotary": dict(engine="auto"),
            "default+no_pdl": dict(engine="auto"),
            "default+plain_shrink": dict(engine="auto"),
-           "default+plain_rotary": dict(engine="auto")}  # fmt: skip
+           "default+plain_rotary": dict(engine="auto"),
+           "default+pdl_depth2": dict(engine="auto"),
+           "default+pdl_nc_activations": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (`cuda_mma.PROGRAMMATIC` True while that
@@ -176,15 +178,20 @@ named engines; captured states keep their order; the generator's default since 2
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
-``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+plain_rotary``, ``+own_choices``): the generator's
-defaults (as ``default``; before 2026-12-06 these engines ran with the named engines' settings) with that suffix's
-settings while the engine runs, and its own kernel choices: the chooser starts from the shipped table and forgets what
-that engine timed afterwards, so the other engines time their keys themselves. Compare them with
+``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+plain_rotary``, ``+pdl_depth2``, ``+pdl_nc_activations``,
+``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with the named
+engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the chooser starts
+from the shipped table and forgets what that engine timed afterwards, so the other engines time their keys themselves. Compare them with
 ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
 
 
 SHIPPED_CHOICES = dict(kernels.CHOOSER.choices)
 """The kernel choices this process started with (the shipped table, ``NVFP4_KERNEL_CHOICES``), before any timing."""
+
+PDL_DEPTH2_BUILD = (*cuda_mma.PDL_BUILD, "-DNVFP4_DEPTH=2")
+"""The ``+pdl_depth2`` engines' PDL build of the NVFP4 decode kernel (`cuda_mma.PDL_BUILD` while they run): without
+PDL, depths 2 and 3 measured no faster than the default 1 (2026-12-02); with PDL, the blocks loaded ahead are the loads
+that overlap the kernel before."""
 
 OWN_CHOICE_ENGINES = {
     "+narrow_wgmma": (cuda_wgmma, {"SPREAD_CANDIDATES": False}),
@@ -200,6 +207,8 @@ OWN_CHOICE_ENGINES = {
     "+plain_shrink": (fused_decode, {"PLAIN_SHRINK": True}),
     "+pdl_rotary": ((cuda_mma, {"PROGRAMMATIC": True}), (fused_decode, {"ROTARY_IN_ATTENTION": True})),
     "+plain_rotary": (fused_decode, {"PLAIN_SHRINK": True, "ROTARY_IN_ATTENTION": True}),
+    "+pdl_depth2": (cuda_mma, {"PDL_BUILD": PDL_DEPTH2_BUILD}),
+    "+pdl_nc_activations": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_NC_ACTIVATIONS=1")}),
     "+own_choices": (kernels, {}),
 }
 """Engine suffixes and the module settings (`module_settings`) that change which kernels the chooser times: without the wgmma kernel's spread
@@ -217,8 +226,12 @@ and the cache writes in the attention's partials launch (which then follows the 
 inductor's rotary kernel), with no kernel launched so (the default before 2026-12-07: `cuda_mma.PROGRAMMATIC` False;
 the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), with the o projection's LoRA shrink in our own launch
 (`fused_decode.PLAIN_SHRINK`), the same with the rotary embedding and the cache writes in the attention's
-partials launch (at up to `cuda_mma.PDL_MAX_ROWS` rows every kernel of a layer is then a PDL launch of ours), and none
-(the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
+partials launch (at up to `cuda_mma.PDL_MAX_ROWS` rows every kernel of a layer is then a PDL launch of ours), with the
+NVFP4 decode kernel's PDL build loading two 128-column blocks of weights ahead instead of one (`PDL_DEPTH2_BUILD`, so
+that twice the weights are in flight before it waits for the kernel before it), with that build's activations
+loaded through the non-coherent path as before 2026-12-07 (the PDL build loads them coherently since: ptxas may hoist
+non-coherent loads above the wait), and none (the control). A suffix takes
+one ``(module, settings)`` pair or a tuple of them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""

@@ -22,7 +22,7 @@ import torch
 from _cuda_cases import TOLERANCE, check_every_instance, needs_nvrtc, poisoned_out, quantized, reference
 from _sass import cuobjdump, main_loop, resources_of
 
-from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc  # noqa: F401 - `kernels` defines the custom ops
+from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc, twiddle  # noqa: F401 - `kernels` defines the custom ops
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error
 
 
@@ -127,18 +127,27 @@ def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):
 
 @needs_nvrtc
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
+@pytest.mark.parametrize(
+    ("rank", "build"),
+    [(0, ()), (0, ("-DNVFP4_DEPTH=2",)), (32, twiddle.LANE_ORDER_BUILD)],
+    ids=["depth1", "depth2", "lora32-lane-order"],
+)
 @pytest.mark.parametrize("config", BUILD_CONFIGS[:2], ids=str)
-def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(tmp_path, config):
+def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(tmp_path, config, rank, build):
     """Programmatic Dependent Launch: before ``griddepcontrol.wait`` (SASS ``ACQBULK``) a CTA may load only what no
     kernel of the step writes — packed codes (the no-allocate 16-byte loads) and scales (16-bit loads); every
     activation load and every store comes after it, and ``launch_dependents`` (``PREEXIT``) after the main loop.
-    The default build (no PDL) has neither instruction."""
-    name = config.name_expression(torch.bfloat16)
-    default, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90")
+    The default build (no PDL) has neither instruction. The PDL build loads activations with the coherent load
+    (``LDG.E.128``): with the non-coherent one, which promises that nothing writes them while the kernel runs,
+    ptxas hoisted them above the wait in the build with two blocks loaded ahead (``bench_rollout.py``'s
+    ``+pdl_depth2`` engines), checked here too, as is the build the decode step launches (LoRA terms, lane order)."""
+    name = config.name_expression(torch.bfloat16, lora_rank=rank)
+    default, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", build)
     (tmp_path / "default.cubin").write_bytes(default)
     plain = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "default.cubin")], capture_output=True, text=True)
     assert "ACQBULK" not in plain.stdout and "PREEXIT" not in plain.stdout and "HMMA" in plain.stdout
-    cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", cuda_mma.PDL_BUILD)
+    assert "LDG.E.128.CONSTANT" in plain.stdout  # (without PDL, the activations take the non-coherent path)
+    cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", build + cuda_mma.PDL_BUILD)
     (tmp_path / "k.cubin").write_bytes(cubin)
     sass = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
     ops = [text.split()[1] if text.startswith("@") else text.split()[0]
@@ -148,6 +157,7 @@ def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(
     early_loads = [op for op in ops[:wait] if op.startswith("LDG")]
     assert early_loads and all(op in ("LDG.E.NA.128.CONSTANT", "LDG.E.U16") for op in early_loads), early_loads
     assert not any(op.startswith(("STG", "ST.", "RED", "ATOM")) for op in ops[:wait])
+    assert "LDG.E.128.CONSTANT" not in ops and "LDG.E.128" in ops[wait:]
     last_mma = max(i for i, op in enumerate(ops) if op.startswith("HMMA"))
     assert last_mma < release < min(i for i, op in enumerate(ops) if op.startswith("STG"))
 
@@ -245,10 +255,13 @@ def test_cuda_graph_replays_read_new_inputs_in_place():
 
 @needs_cuda
 @pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm_90")
-def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch):
+@pytest.mark.parametrize("depth", [(), ("-DNVFP4_DEPTH=2",)], ids=["depth1", "depth2"])
+def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch, depth):
     """``NVFP4_PDL=1``: a captured chain of products, each reading the previous one's output (directly, or through
-    an elementwise kernel), equals the reference on every replay: no product reads its input early."""
+    an elementwise kernel), equals the reference on every replay: no product reads its input early. The same for the
+    PDL build with two blocks loaded ahead (``bench_rollout.py``'s ``+pdl_depth2`` engines)."""
     monkeypatch.setenv("NVFP4_PDL", "1")
+    monkeypatch.setattr(cuda_mma, "PDL_BUILD", cuda_mma.PDL_BUILD + depth)
     generator = torch.Generator().manual_seed(11)
     weights = [quantized(1024, 1024, generator) for _ in range(4)]
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)

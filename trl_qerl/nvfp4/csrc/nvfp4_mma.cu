@@ -205,9 +205,25 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+#ifndef NVFP4_PDL
+#define NVFP4_PDL 0
+#endif
+#ifndef NVFP4_NC_ACTIVATIONS
+#define NVFP4_NC_ACTIVATIONS (!NVFP4_PDL)
+#endif
+
+// Activations (and LoRA terms): re-read by every warp, so through L1. The non-coherent path (`.nc`) promises that
+// nothing writes the data while the kernel runs, which is false under PDL: the kernel before ours may still be
+// writing our activations until `griddepcontrol.wait` returns, and ptxas, trusting `.nc`, may hoist the loads above
+// the wait (it did, with two blocks loaded ahead: tests/test_cuda_mma.py checks the SASS). PDL builds use the
+// coherent load.
 __device__ __forceinline__ uint4 load_cached(const uint4* p) {
   uint4 v;
+#if NVFP4_NC_ACTIVATIONS
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
   return v;
 }
 
@@ -388,9 +404,6 @@ struct LanePointers {
   const uint4* x[NT];
 };
 
-#ifndef NVFP4_PDL
-#define NVFP4_PDL 0
-#endif
 #define PDL (NVFP4_PDL && __CUDA_ARCH__ >= 900)
 
 __device__ __forceinline__ void wait_for_previous_kernel() {
