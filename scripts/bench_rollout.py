@@ -129,7 +129,9 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+plain_shrink": dict(engine="auto"),
            "default+plain_rotary": dict(engine="auto"),
            "default+pdl_depth2": dict(engine="auto"),
-           "default+pdl_nc_activations": dict(engine="auto")}  # fmt: skip
+           "default+pdl_nc_activations": dict(engine="auto"),
+           "default+pdl_l2": dict(engine="auto"),
+           "default+pdl_l2_2": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
 `StaticCacheGenerator`'s defaults (today split-KV attention on Hopper, compaction of steps of 32 rows or more).
 ``+pdl``: the step's own kernels launched with Programmatic Dependent Launch (`cuda_mma.PROGRAMMATIC` True while that
@@ -179,9 +181,10 @@ level, as they did when they were measured (``default``: the shipped setting, gr
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
 ``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+plain_rotary``, ``+pdl_depth2``, ``+pdl_nc_activations``,
-``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these engines ran with the named
-engines' settings) with that suffix's settings while the engine runs, and its own kernel choices: the chooser starts
-from the shipped table and forgets what that engine timed afterwards, so the other engines time their keys themselves. Compare them with
+``+pdl_l2``, ``+pdl_l2_2``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these
+engines ran with the named engines' settings) with that suffix's settings while the engine runs, and its own kernel
+choices: the chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines
+time their keys themselves. Compare them with
 ``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
 
 
@@ -209,6 +212,8 @@ OWN_CHOICE_ENGINES = {
     "+plain_rotary": (fused_decode, {"PLAIN_SHRINK": True, "ROTARY_IN_ATTENTION": True}),
     "+pdl_depth2": (cuda_mma, {"PDL_BUILD": PDL_DEPTH2_BUILD}),
     "+pdl_nc_activations": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_NC_ACTIVATIONS=1")}),
+    "+pdl_l2": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_PDL_L2_BLOCKS=6")}),
+    "+pdl_l2_2": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_PDL_L2_BLOCKS=2")}),
     "+own_choices": (kernels, {}),
 }
 """Engine suffixes and the module settings (`module_settings`) that change which kernels the chooser times: without the wgmma kernel's spread
@@ -230,7 +235,9 @@ partials launch (at up to `cuda_mma.PDL_MAX_ROWS` rows every kernel of a layer i
 NVFP4 decode kernel's PDL build loading two 128-column blocks of weights ahead instead of one (`PDL_DEPTH2_BUILD`, so
 that twice the weights are in flight before it waits for the kernel before it), with that build's activations
 loaded through the non-coherent path as before 2026-12-07 (the PDL build loads them coherently since: ptxas may hoist
-non-coherent loads above the wait), and none (the control). A suffix takes
+non-coherent loads above the wait), with that build asking for a warp's next 6 or 2 blocks of weights into L2 before
+it waits (``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block of the q/k/v, o and gate/up products' warps at one row and
+a third of down's), and none (the control). A suffix takes
 one ``(module, settings)`` pair or a tuple of them."""
 
 GROUP_SUMS = 8

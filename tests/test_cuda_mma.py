@@ -129,8 +129,8 @@ def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 @pytest.mark.parametrize(
     ("rank", "build"),
-    [(0, ()), (0, ("-DNVFP4_DEPTH=2",)), (32, twiddle.LANE_ORDER_BUILD)],
-    ids=["depth1", "depth2", "lora32-lane-order"],
+    [(0, ()), (0, ("-DNVFP4_DEPTH=2",)), (0, ("-DNVFP4_PDL_L2_BLOCKS=6",)), (32, twiddle.LANE_ORDER_BUILD)],
+    ids=["depth1", "depth2", "l2-prefetch", "lora32-lane-order"],
 )
 @pytest.mark.parametrize("config", BUILD_CONFIGS[:2], ids=str)
 def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(tmp_path, config, rank, build):
@@ -140,7 +140,8 @@ def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(
     The default build (no PDL) has neither instruction. The PDL build loads activations with the coherent load
     (``LDG.E.128``): with the non-coherent one, which promises that nothing writes them while the kernel runs,
     ptxas hoisted them above the wait in the build with two blocks loaded ahead (``bench_rollout.py``'s
-    ``+pdl_depth2`` engines), checked here too, as is the build the decode step launches (LoRA terms, lane order)."""
+    ``+pdl_depth2`` engines), checked here too, as are the build that asks for more weights into L2 before the wait
+    (``CCTL.E.PF2``; the ``+pdl_l2`` engines) and the build the decode step launches (LoRA terms, lane order)."""
     name = config.name_expression(torch.bfloat16, lora_rank=rank)
     default, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", build)
     (tmp_path / "default.cubin").write_bytes(default)
@@ -158,6 +159,7 @@ def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(
     assert early_loads and all(op in ("LDG.E.NA.128.CONSTANT", "LDG.E.U16") for op in early_loads), early_loads
     assert not any(op.startswith(("STG", "ST.", "RED", "ATOM")) for op in ops[:wait])
     assert "LDG.E.128.CONSTANT" not in ops and "LDG.E.128" in ops[wait:]
+    assert ("CCTL.E.PF2" in ops[:wait]) == any("PDL_L2_BLOCKS" in flag for flag in build)
     last_mma = max(i for i, op in enumerate(ops) if op.startswith("HMMA"))
     assert last_mma < release < min(i for i, op in enumerate(ops) if op.startswith("STG"))
 
@@ -255,11 +257,13 @@ def test_cuda_graph_replays_read_new_inputs_in_place():
 
 @needs_cuda
 @pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm_90")
-@pytest.mark.parametrize("depth", [(), ("-DNVFP4_DEPTH=2",)], ids=["depth1", "depth2"])
+@pytest.mark.parametrize(
+    "depth", [(), ("-DNVFP4_DEPTH=2",), ("-DNVFP4_PDL_L2_BLOCKS=6",)], ids=["depth1", "depth2", "l2-prefetch"]
+)
 def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch, depth):
     """``NVFP4_PDL=1``: a captured chain of products, each reading the previous one's output (directly, or through
     an elementwise kernel), equals the reference on every replay: no product reads its input early. The same for the
-    PDL build with two blocks loaded ahead (``bench_rollout.py``'s ``+pdl_depth2`` engines)."""
+    PDL builds of ``bench_rollout.py``'s ``+pdl_depth2`` and ``+pdl_l2`` engines."""
     monkeypatch.setenv("NVFP4_PDL", "1")
     monkeypatch.setattr(cuda_mma, "PDL_BUILD", cuda_mma.PDL_BUILD + depth)
     generator = torch.Generator().manual_seed(11)

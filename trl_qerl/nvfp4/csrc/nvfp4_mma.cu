@@ -27,7 +27,8 @@
 // Programmatic Dependent Launch (built with -DNVFP4_PDL=1, launched with the PDL attribute, sm_90+): a CTA loads its
 // first blocks of weights, which no kernel of the step writes, before `griddepcontrol.wait` (the previous kernel's
 // outputs, our activations, are visible only after it), and lets the next kernel start its own prologue once the
-// main loop is done. Every global write happens after the wait. The default build has neither instruction.
+// main loop is done. Every global write happens after the wait, and the activations come through coherent loads (see
+// `load_cached`). The default build has neither instruction.
 
 #ifndef NVFP4_LORA_SINGLE_TOKEN
 #define NVFP4_LORA_SINGLE_TOKEN 1  // a one-token CTA computes one token's LoRA terms, not TOKENS copies of them
@@ -40,6 +41,10 @@
 #ifndef NVFP4_TWIDDLED
 #define NVFP4_TWIDDLED 0  // 1: each code word in the bit order of `trl_qerl.nvfp4.twiddle` (decode and tiled kernels);
                           // 2: the lane order (`twiddle.to_lane_order`: every kernel here and the wgmma kernel)
+#endif
+
+#ifndef NVFP4_PDL_L2_BLOCKS
+#define NVFP4_PDL_L2_BLOCKS 0  // PDL builds: blocks of weights past the loaded ones asked into L2 before the wait
 #endif
 
 #ifndef NVFP4_ASYNC_STAGES
@@ -418,6 +423,23 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
+// Under PDL the kernel before ours may still run: its bandwidth is ours to take if the weights' bytes start moving
+// before the wait. A prefetch into L2 needs no registers, unlike the blocks loaded ahead (NVFP4_DEPTH), so it can ask
+// for more of this warp's blocks: [first, end).
+template <int MT, int NT>
+__device__ __forceinline__ void prefetch_weights_to_l2(const LanePointers<MT, NT>& p, int first, int end) {
+  for (int kb = first; kb < end; ++kb) {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p.w[mt][h] + kb * 4));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p.s[mt][h] + kb * 4));
+      }
+    }
+  }
+}
+
 // `live` is false only for a lane whose 32 columns of the last (partial) block lie past K: it reads zeros there.
 // WEIGHTS / ACTIVATIONS select what is loaded (the prologue loads the weights before waiting for the activations).
 template <int MT, int NT, bool PREFETCH_X, bool TAIL, bool WEIGHTS = true, bool ACTIVATIONS = true>
@@ -769,6 +791,9 @@ __device__ __forceinline__ void decode_tile(const u16* __restrict__ x, int M, in
     if (kb + d < full_end) load_stage<MT, NT, PREFETCH_X, false, true, !PDL>(st[d], p, kb + d, true);
   }
 #if PDL
+  if (NVFP4_PDL_L2_BLOCKS > 0) {
+    prefetch_weights_to_l2(p, kb + NVFP4_DEPTH, min(full_end, kb + NVFP4_DEPTH + NVFP4_PDL_L2_BLOCKS));
+  }
   wait_for_previous_kernel();
   #pragma unroll
   for (int d = 0; d < NVFP4_DEPTH; ++d) {
