@@ -657,6 +657,22 @@ def test_engine_decodes_twiddled_codes_as_the_standard_order(rows, lanes, monkey
     assert not next(iter(standard_engine._states.values())).twiddled
 
 
+def test_short_calls_count_the_median_of_their_repeats(monkeypatch):
+    """`bench_rollout.measure` with ``repeats``: the first call is the warm-up, the median of the next ``repeats``
+    counts (one slow or fast timing of a short call no longer moves the decode step it is subtracted from)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    import bench_rollout
+
+    timings = iter([0.500, 0.061, 0.049, 0.052, 0.070, 0.050])
+    monkeypatch.setattr(bench_rollout, "timed", lambda call: (next(timings), ["completion"]))
+    rows = []
+    row = bench_rollout.measure("ours, prefill only", None, 1, 1, rows, repeats=5)
+    assert row["seconds"] == pytest.approx(0.052) and row["first_call_extra_s"] == pytest.approx(0.448)
+    assert rows == [row] and next(timings, None) is None
+    timings = iter([0.5, 0.3])
+    assert bench_rollout.measure("ours", None, 1, 64, [])["seconds"] == pytest.approx(0.3)  # (one repeat: as before)
+
+
 def test_decode_alone_splits_what_a_rollout_pays_once_from_the_steps(capsys):
     """`bench_rollout.decode_alone`: with a two-token call besides the one-token call, the step from the second on and
     the once-per-rollout part (the decode window's reordering) come apart; without it, the old figure alone."""

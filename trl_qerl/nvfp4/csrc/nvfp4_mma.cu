@@ -214,14 +214,16 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
 #define NVFP4_PDL 0
 #endif
 #ifndef NVFP4_NC_ACTIVATIONS
-#define NVFP4_NC_ACTIVATIONS (!NVFP4_PDL)
+#define NVFP4_NC_ACTIVATIONS (!NVFP4_PDL || NVFP4_DEPTH == 1)
 #endif
 
-// Activations (and LoRA terms): re-read by every warp, so through L1. The non-coherent path (`.nc`) promises that
-// nothing writes the data while the kernel runs, which is false under PDL: the kernel before ours may still be
-// writing our activations until `griddepcontrol.wait` returns, and ptxas, trusting `.nc`, may hoist the loads above
-// the wait (it did, with two blocks loaded ahead: tests/test_cuda_mma.py checks the SASS). PDL builds use the
-// coherent load.
+// Activations: re-read by every warp, so through L1. The non-coherent path (`.nc`) promises that nothing writes the
+// data while the kernel runs, which is not so under PDL: the kernel before ours may still be writing our activations
+// until `griddepcontrol.wait` returns, and ptxas, trusting `.nc`, may hoist the loads above the wait. It did in the
+// PDL build with two blocks loaded ahead, which therefore loads coherently. The PDL build with one block ahead keeps
+// `.nc`: the coherent load measured 0.1 ms a step slower at batch 8 (7B, H100, 2026-12-07; BENCHMARKS.md), and
+// tests/test_cuda_mma.py checks in the SASS of every instance the chooser may take for a PDL launch that no
+// activation load comes before the wait.
 __device__ __forceinline__ uint4 load_cached(const uint4* p) {
   uint4 v;
 #if NVFP4_NC_ACTIVATIONS
