@@ -234,12 +234,11 @@ the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), with the o projecti
 partials launch (at up to `cuda_mma.PDL_MAX_ROWS` rows every kernel of a layer is then a PDL launch of ours), with the
 NVFP4 decode kernel's PDL build loading two 128-column blocks of weights ahead instead of one (`PDL_DEPTH2_BUILD`, so
 that twice the weights are in flight before it waits for the kernel before it), with the PDL build's activations
-loaded coherently, not through the non-coherent path (which ptxas may move above the wait; 0.1 ms a step slower at batch
-8 on an H100, 2026-12-07, where the runs' ``default+own_choices`` was this build and ``+pdl_nc_activations`` the
-default), with that build asking for a warp's next 6 or 2 blocks of weights into L2 before
-it waits (``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block of the q/k/v, o and gate/up products' warps at one row and
-a third of down's), and none (the control). A suffix takes
-one ``(module, settings)`` pair or a tuple of them."""
+loaded coherently, not through the non-coherent path (which ptxas may move above the wait; 0.1 ms a step slower at
+batch 8 on an H100, 2026-12-07, where the runs' ``default+own_choices`` was this build and ``+pdl_nc_activations`` the
+default), with that build asking for a warp's next 6 or 2 blocks of weights into L2 before it waits
+(``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block of the q/k/v, o and gate/up products' warps at one row and a third
+of down's), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""

@@ -27,15 +27,16 @@
 // Programmatic Dependent Launch (built with -DNVFP4_PDL=1, launched with the PDL attribute, sm_90+): a CTA loads its
 // first blocks of weights, which no kernel of the step writes, before `griddepcontrol.wait` (the previous kernel's
 // outputs, our activations, are visible only after it), and lets the next kernel start its own prologue once the
-// main loop is done. Every global write happens after the wait, and the activations come through coherent loads (see
-// `load_cached`). The default build has neither instruction.
+// main loop is done. Every global write and every activation load happens after the wait (see `load_cached`). The
+// default build has neither instruction.
 
 #ifndef NVFP4_LORA_SINGLE_TOKEN
 #define NVFP4_LORA_SINGLE_TOKEN 1  // a one-token CTA computes one token's LoRA terms, not TOKENS copies of them
 #endif
 
 #ifndef NVFP4_DEPTH
-#define NVFP4_DEPTH 1  // 128-column blocks loaded ahead of the one being multiplied (2 and 3 measured no faster)
+#define NVFP4_DEPTH 1  // 128-column blocks loaded ahead of the one being multiplied (2 and 3 measured no faster;
+                       // 2 in the PDL build neither)
 #endif
 
 #ifndef NVFP4_TWIDDLED
@@ -45,6 +46,7 @@
 
 #ifndef NVFP4_PDL_L2_BLOCKS
 #define NVFP4_PDL_L2_BLOCKS 0  // PDL builds: blocks of weights past the loaded ones asked into L2 before the wait
+                               // (2 and 6 measured slower at 7B, 2026-12-07)
 #endif
 
 #ifndef NVFP4_ASYNC_STAGES
