@@ -129,7 +129,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+plain_shrink": dict(engine="auto"),
            "default+plain_rotary": dict(engine="auto"),
            "default+pdl_depth2": dict(engine="auto"),
-           "default+pdl_coherent": dict(engine="auto"),
+           "default+pdl_nc_activations": dict(engine="auto"),
            "default+pdl_l2": dict(engine="auto"),
            "default+pdl_l2_2": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
@@ -180,7 +180,7 @@ named engines; captured states keep their order; the generator's default since 2
 level, as they did when they were measured (``default``: the shipped setting, groups of 8 since 2026-12-05).
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
-``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+plain_rotary``, ``+pdl_depth2``, ``+pdl_coherent``,
+``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+plain_rotary``, ``+pdl_depth2``, ``+pdl_nc_activations``,
 ``+pdl_l2``, ``+pdl_l2_2``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these
 engines ran with the named engines' settings) with that suffix's settings while the engine runs, and its own kernel
 choices: the chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines
@@ -194,7 +194,7 @@ SHIPPED_CHOICES = dict(kernels.CHOOSER.choices)
 PDL_DEPTH2_BUILD = (*cuda_mma.PDL_BUILD, "-DNVFP4_DEPTH=2")
 """The ``+pdl_depth2`` engines' PDL build of the NVFP4 decode kernel (`cuda_mma.PDL_BUILD` while they run): without
 PDL, depths 2 and 3 measured no faster than the default 1 (2026-12-02); with PDL, the blocks loaded ahead are the loads
-that overlap the kernel before. This build loads activations coherently (``NVFP4_NC_ACTIVATIONS``' default there)."""
+that overlap the kernel before."""
 
 OWN_CHOICE_ENGINES = {
     "+narrow_wgmma": (cuda_wgmma, {"SPREAD_CANDIDATES": False}),
@@ -211,7 +211,7 @@ OWN_CHOICE_ENGINES = {
     "+pdl_rotary": ((cuda_mma, {"PROGRAMMATIC": True}), (fused_decode, {"ROTARY_IN_ATTENTION": True})),
     "+plain_rotary": (fused_decode, {"PLAIN_SHRINK": True, "ROTARY_IN_ATTENTION": True}),
     "+pdl_depth2": (cuda_mma, {"PDL_BUILD": PDL_DEPTH2_BUILD}),
-    "+pdl_coherent": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_NC_ACTIVATIONS=0")}),
+    "+pdl_nc_activations": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_NC_ACTIVATIONS=1")}),
     "+pdl_l2": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_PDL_L2_BLOCKS=6")}),
     "+pdl_l2_2": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_PDL_L2_BLOCKS=2")}),
     "+own_choices": (kernels, {}),
@@ -234,11 +234,11 @@ the default launches up to `cuda_mma.PDL_MAX_ROWS` rows so), with the o projecti
 partials launch (at up to `cuda_mma.PDL_MAX_ROWS` rows every kernel of a layer is then a PDL launch of ours), with the
 NVFP4 decode kernel's PDL build loading two 128-column blocks of weights ahead instead of one (`PDL_DEPTH2_BUILD`, so
 that twice the weights are in flight before it waits for the kernel before it), with the PDL build's activations
-loaded coherently, not through the non-coherent path (which ptxas may move above the wait; 0.1 ms a step slower at
-batch 8 on an H100, 2026-12-07, where the runs' ``default+own_choices`` was this build and ``+pdl_nc_activations`` the
-default), with that build asking for a warp's next 6 or 2 blocks of weights into L2 before it waits
-(``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block of the q/k/v, o and gate/up products' warps at one row and a third
-of down's), and none (the control). A suffix takes one ``(module, settings)`` pair or a tuple of them."""
+loaded through the non-coherent path, as before 2026-12-07 (~0.1 ms a step faster at batch 8 on an H100, but ptxas may
+move those loads above the wait: a race; never the default), with that build asking for a warp's next 6 or 2 blocks of
+weights into L2 before it waits (``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block of the q/k/v, o and gate/up
+products' warps at one row and a third of down's), and none (the control). A suffix takes one ``(module, settings)``
+pair or a tuple of them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""

@@ -428,8 +428,8 @@ def launch_config(config: MMAConfig) -> MMAConfig:
 
 PDL_BUILD = ("-DNVFP4_PDL=1",)
 """NVRTC flags of the build that waits for the previous kernel itself (csrc/nvfp4_mma.cu, "Programmatic Dependent
-Launch"; its activation loads stay after the wait, which tests/test_cuda_mma.py checks in the SASS); the default build
-has no PDL instructions."""
+Launch"; its activations come through coherent loads, which ptxas keeps after the wait); the default build has no
+PDL instructions."""
 
 
 PROGRAMMATIC: bool | None = None

@@ -27,8 +27,8 @@
 // Programmatic Dependent Launch (built with -DNVFP4_PDL=1, launched with the PDL attribute, sm_90+): a CTA loads its
 // first blocks of weights, which no kernel of the step writes, before `griddepcontrol.wait` (the previous kernel's
 // outputs, our activations, are visible only after it), and lets the next kernel start its own prologue once the
-// main loop is done. Every global write and every activation load happens after the wait (see `load_cached`). The
-// default build has neither instruction.
+// main loop is done. Every global write and every activation load happens after the wait; the activations come
+// through coherent loads (see `load_cached`). The default build has neither instruction.
 
 #ifndef NVFP4_LORA_SINGLE_TOKEN
 #define NVFP4_LORA_SINGLE_TOKEN 1  // a one-token CTA computes one token's LoRA terms, not TOKENS copies of them
@@ -216,16 +216,15 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
 #define NVFP4_PDL 0
 #endif
 #ifndef NVFP4_NC_ACTIVATIONS
-#define NVFP4_NC_ACTIVATIONS (!NVFP4_PDL || NVFP4_DEPTH == 1)
+#define NVFP4_NC_ACTIVATIONS (!NVFP4_PDL)
 #endif
 
 // Activations: re-read by every warp, so through L1. The non-coherent path (`.nc`) promises that nothing writes the
 // data while the kernel runs, which is not so under PDL: the kernel before ours may still be writing our activations
-// until `griddepcontrol.wait` returns, and ptxas, trusting `.nc`, may hoist the loads above the wait. It did in the
-// PDL build with two blocks loaded ahead, which therefore loads coherently. The PDL build with one block ahead keeps
-// `.nc`: the coherent load measured 0.1 ms a step slower at batch 8 (7B, H100, 2026-12-07; BENCHMARKS.md), and
-// tests/test_cuda_mma.py checks in the SASS of every instance the chooser may take for a PDL launch that no
-// activation load comes before the wait.
+// until `griddepcontrol.wait` returns, and ptxas, trusting `.nc`, may move the loads above the wait. It did (sm_90
+// SASS, 2026-12-07): NVRTC 13.5 in the build with two blocks loaded ahead, NVRTC 13.0 in the 16-token build with LoRA
+// terms. So PDL builds load coherently, which measured ~0.1 ms a step slower at batch 8 and the same at batch 1 (7B,
+// H100, 2026-12-07; BENCHMARKS.md); tests/test_cuda_mma.py checks the SASS.
 __device__ __forceinline__ uint4 load_cached(const uint4* p) {
   uint4 v;
 #if NVFP4_NC_ACTIVATIONS
