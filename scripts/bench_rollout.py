@@ -546,7 +546,7 @@ def measure(name, make_call, batch, new_tokens, rows, repeat_first=True, count_t
     median of ``repeats`` more). ``count_tokens``: the call returns completions whose lengths vary (EOS spread):
     tokens/s counts what was generated, ms/step divides by the longest row."""
     try:
-        first, completions = timed(make_call)
+        first, _ = timed(make_call)
         if repeat_first:
             times = [timed(make_call) for _ in range(max(1, repeats))]
             seconds, completions = sorted(times, key=lambda timing: timing[0])[len(times) // 2]

@@ -14,13 +14,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 import subprocess
 
 import pytest
 import torch
 from _cuda_cases import TOLERANCE, check_every_instance, needs_nvrtc, poisoned_out, quantized, reference
-from _sass import cuobjdump, main_loop, resources_of
+from _sass import cuobjdump, main_loop, opcodes, resources_of, sass_of
 
 from trl_qerl.nvfp4 import cuda_mma, kernels, nvrtc, twiddle  # noqa: F401 - `kernels` defines the custom ops
 from trl_qerl.nvfp4.format import dequantize, quantize, relative_error
@@ -32,6 +31,8 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90")
 BUILD_CONFIGS = (cuda_mma.MMAConfig(1, 1, 4), cuda_mma.MMAConfig(2, 2, 4), cuda_mma.MMAConfig(1, 8, 2))
+WEIGHT_LOADS = ("LDG.E.NA.128.CONSTANT", "LDG.E.U16")
+"""SASS loads of packed codes (no-allocate 16-byte) and scales (16-bit): all a PDL build may load before its wait."""
 
 
 # -- without a GPU --------------------------------------------------------------------------------------------
@@ -144,20 +145,15 @@ def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(
     before the wait (``CCTL.E.PF2``; ``bench_rollout.py``'s ``+pdl_l2`` engines) and for the build the decode step
     launches (LoRA terms, lane order)."""
     name = config.name_expression(torch.bfloat16, lora_rank=rank)
-    default, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", build)
-    (tmp_path / "default.cubin").write_bytes(default)
-    plain = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "default.cubin")], capture_output=True, text=True)
-    assert "ACQBULK" not in plain.stdout and "PREEXIT" not in plain.stdout and "HMMA" in plain.stdout
-    assert "LDG.E.128.CONSTANT" in plain.stdout  # (without PDL, the activations take the non-coherent path)
+    plain = sass_of(nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", build)[0], tmp_path)
+    assert "ACQBULK" not in plain and "PREEXIT" not in plain and "HMMA" in plain
+    assert "LDG.E.128.CONSTANT" in plain  # (without PDL, the activations take the non-coherent path)
     cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", build + cuda_mma.PDL_BUILD)
-    (tmp_path / "k.cubin").write_bytes(cubin)
-    sass = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
-    ops = [text.split()[1] if text.startswith("@") else text.split()[0]
-           for text in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]  # fmt: skip
+    ops = opcodes(sass_of(cubin, tmp_path))
     assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
     wait, release = ops.index("ACQBULK"), ops.index("PREEXIT")
     early_loads = [op for op in ops[:wait] if op.startswith("LDG")]
-    assert early_loads and all(op in ("LDG.E.NA.128.CONSTANT", "LDG.E.U16") for op in early_loads), early_loads
+    assert early_loads and all(op in WEIGHT_LOADS for op in early_loads), early_loads
     assert not any(op.startswith(("STG", "ST.", "RED", "ATOM")) for op in ops[:wait])
     assert "LDG.E.128.CONSTANT" not in ops
     assert ("CCTL.E.PF2" in ops[:wait]) == any("PDL_L2_BLOCKS" in flag for flag in build)
@@ -182,12 +178,9 @@ def test_no_instance_a_pdl_launch_may_take_loads_activations_before_waiting(tmp_
             cubin, _ = nvrtc.compile_cubin(
                 cuda_mma.source(), name, "sm_90", twiddle.LANE_ORDER_BUILD + cuda_mma.PDL_BUILD
             )
-            (tmp_path / "k.cubin").write_bytes(cubin)
-            sass = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True)
-            ops = [text.split()[1] if text.startswith("@") else text.split()[0]
-                   for text in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass.stdout)]  # fmt: skip
+            ops = opcodes(sass_of(cubin, tmp_path))
             early = [op for op in ops[: ops.index("ACQBULK")] if op.startswith("LD") and not op.startswith("LDC")]
-            assert all(op in ("LDG.E.NA.128.CONSTANT", "LDG.E.U16") for op in early), (name, early)
+            assert all(op in WEIGHT_LOADS for op in early), (name, early)
             assert "LDG.E.128.CONSTANT" not in ops and "LDG.E.128" in ops, name
 
 
