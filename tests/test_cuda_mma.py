@@ -114,9 +114,7 @@ def test_cubin_cache_benchmark_times_each_write_and_leaves_no_files(tmp_path):
 @pytest.mark.parametrize("config", BUILD_CONFIGS[:2], ids=str)
 def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):
     cubin, _ = nvrtc.compile_cubin(cuda_mma.source(), config.name_expression(torch.bfloat16), "sm_90")
-    (tmp_path / "k.cubin").write_bytes(cubin)
-    sass = subprocess.run([cuobjdump(), "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
-    loop = main_loop(sass)
+    loop = main_loop(sass_of(cubin, tmp_path))
     forbidden = [op for op in loop if op.split(".")[0] in ("LDS", "STS", "LDSM", "BAR", "SHFL", "LDL", "STL")]
     assert not forbidden, f"shared/local memory or shuffles on the weight path: {forbidden}"
     mmas = sum(op.startswith("HMMA") for op in loop)
