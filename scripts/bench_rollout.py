@@ -130,6 +130,7 @@ ENGINES = {"model": dict(engine="model", compile=False, compact_finished=False, 
            "default+plain_rotary": dict(engine="auto"),
            "default+pdl_depth2": dict(engine="auto"),
            "default+pdl_nc_activations": dict(engine="auto"),
+           "default+pdl_evict_last": dict(engine="auto"),
            "default+pdl_l2": dict(engine="auto"),
            "default+pdl_l2_2": dict(engine="auto")}  # fmt: skip
 """Each engine names every switch, so that a changed default does not change what a name measures; ``default`` is
@@ -181,7 +182,7 @@ level, as they did when they were measured (``default``: the shipped setting, gr
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
 ``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+plain_rotary``, ``+pdl_depth2``, ``+pdl_nc_activations``,
-``+pdl_l2``, ``+pdl_l2_2``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these
+``+pdl_evict_last``, ``+pdl_l2``, ``+pdl_l2_2``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these
 engines ran with the named engines' settings) with that suffix's settings while the engine runs, and its own kernel
 choices: the chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines
 time their keys themselves. Compare them with
@@ -212,6 +213,7 @@ OWN_CHOICE_ENGINES = {
     "+plain_rotary": (fused_decode, {"PLAIN_SHRINK": True, "ROTARY_IN_ATTENTION": True}),
     "+pdl_depth2": (cuda_mma, {"PDL_BUILD": PDL_DEPTH2_BUILD}),
     "+pdl_nc_activations": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_NC_ACTIVATIONS=1")}),
+    "+pdl_evict_last": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_ACTIVATIONS_EVICT_LAST=1")}),
     "+pdl_l2": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_PDL_L2_BLOCKS=6")}),
     "+pdl_l2_2": (cuda_mma, {"PDL_BUILD": (*cuda_mma.PDL_BUILD, "-DNVFP4_PDL_L2_BLOCKS=2")}),
     "+own_choices": (kernels, {}),
@@ -235,7 +237,9 @@ partials launch (at up to `cuda_mma.PDL_MAX_ROWS` rows every kernel of a layer i
 NVFP4 decode kernel's PDL build loading two 128-column blocks of weights ahead instead of one (`PDL_DEPTH2_BUILD`, so
 that twice the weights are in flight before it waits for the kernel before it), with the PDL build's activations
 loaded through the non-coherent path, as before 2026-12-07 (~0.1 ms a step faster at batch 8 on an H100, but ptxas may
-move those loads above the wait: a race; never the default), with that build asking for a warp's next 6 or 2 blocks of
+move those loads above the wait: a race; never the default), with the PDL build's coherent activation loads
+marked to stay in L1 longest (``ld.global.L1::evict_last``, ``NVFP4_ACTIVATIONS_EVICT_LAST``: every warp re-reads
+them, and the weights already bypass L1), with that build asking for a warp's next 6 or 2 blocks of
 weights into L2 before it waits (``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block of the q/k/v, o and gate/up
 products' warps at one row and a third of down's), and none (the control). A suffix takes one ``(module, settings)``
 pair or a tuple of them."""

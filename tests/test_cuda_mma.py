@@ -128,8 +128,14 @@ def test_hopper_main_loop_keeps_weights_in_registers(tmp_path, config):
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump (Triton bundles one)")
 @pytest.mark.parametrize(
     ("rank", "build"),
-    [(0, ()), (0, ("-DNVFP4_DEPTH=2",)), (0, ("-DNVFP4_PDL_L2_BLOCKS=6",)), (32, twiddle.LANE_ORDER_BUILD)],
-    ids=["depth1", "depth2", "l2-prefetch", "lora32-lane-order"],
+    [
+        (0, ()),
+        (0, ("-DNVFP4_DEPTH=2",)),
+        (0, ("-DNVFP4_PDL_L2_BLOCKS=6",)),
+        (32, twiddle.LANE_ORDER_BUILD),
+        (32, (*twiddle.LANE_ORDER_BUILD, "-DNVFP4_ACTIVATIONS_EVICT_LAST=1")),
+    ],
+    ids=["depth1", "depth2", "l2-prefetch", "lora32-lane-order", "lora32-evict-last"],
 )
 @pytest.mark.parametrize("config", BUILD_CONFIGS[:2], ids=str)  # (the second: the 16-token build NVRTC 13.0 hoisted)
 def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(tmp_path, config, rank, build):
@@ -140,8 +146,9 @@ def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(
     (``LDG.E.128``): the non-coherent one (``LDG.E.128.CONSTANT``, the default build's) promises that nothing writes
     them while the kernel runs, and ptxas moved it above the wait (NVRTC 13.5 with two blocks loaded ahead, 13.0 in a
     16-token build with LoRA terms). Checked for those builds too, for the build that asks for more weights into L2
-    before the wait (``CCTL.E.PF2``; ``bench_rollout.py``'s ``+pdl_l2`` engines) and for the build the decode step
-    launches (LoRA terms, lane order)."""
+    before the wait (``CCTL.E.PF2``; ``bench_rollout.py``'s ``+pdl_l2`` engines), for the build the decode step
+    launches (LoRA terms, lane order) and for that build with the activations marked to stay in L1 longest
+    (``LDG.E.EL.128``, coherent; ``+pdl_evict_last``)."""
     name = config.name_expression(torch.bfloat16, lora_rank=rank)
     plain = sass_of(nvrtc.compile_cubin(cuda_mma.source(), name, "sm_90", build)[0], tmp_path)
     assert "ACQBULK" not in plain and "PREEXIT" not in plain and "HMMA" in plain
@@ -155,6 +162,7 @@ def test_hopper_build_reads_only_weights_before_waiting_for_the_previous_kernel(
     assert not any(op.startswith(("STG", "ST.", "RED", "ATOM")) for op in ops[:wait])
     assert "LDG.E.128.CONSTANT" not in ops
     assert ("CCTL.E.PF2" in ops[:wait]) == any("PDL_L2_BLOCKS" in flag for flag in build)
+    assert ("LDG.E.EL.128" in ops[wait:]) == any("EVICT_LAST" in flag for flag in build)
     last_mma = max(i for i, op in enumerate(ops) if op.startswith("HMMA"))
     assert last_mma < release < min(i for i, op in enumerate(ops) if op.startswith("STG"))
 
@@ -276,7 +284,9 @@ def test_cuda_graph_replays_read_new_inputs_in_place():
 @needs_cuda
 @pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm_90")
 @pytest.mark.parametrize(
-    "depth", [(), ("-DNVFP4_DEPTH=2",), ("-DNVFP4_PDL_L2_BLOCKS=6",)], ids=["depth1", "depth2", "l2-prefetch"]
+    "depth",
+    [(), ("-DNVFP4_DEPTH=2",), ("-DNVFP4_PDL_L2_BLOCKS=6",), ("-DNVFP4_ACTIVATIONS_EVICT_LAST=1",)],
+    ids=["depth1", "depth2", "l2-prefetch", "evict-last"],
 )
 def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch, depth):
     """``NVFP4_PDL=1``: a captured chain of products, each reading the previous one's output (directly, or through

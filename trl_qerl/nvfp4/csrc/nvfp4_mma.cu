@@ -218,17 +218,24 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
 #ifndef NVFP4_NC_ACTIVATIONS
 #define NVFP4_NC_ACTIVATIONS (!NVFP4_PDL)
 #endif
+#ifndef NVFP4_ACTIVATIONS_EVICT_LAST
+#define NVFP4_ACTIVATIONS_EVICT_LAST 0
+#endif
 
 // Activations: re-read by every warp, so through L1. The non-coherent path (`.nc`) promises that nothing writes the
 // data while the kernel runs, which is not so under PDL: the kernel before ours may still be writing our activations
 // until `griddepcontrol.wait` returns, and ptxas, trusting `.nc`, may move the loads above the wait. It did (sm_90
 // SASS, 2026-12-07): NVRTC 13.5 in the build with two blocks loaded ahead, NVRTC 13.0 in the 16-token build with LoRA
 // terms. So PDL builds load coherently, which measured ~0.1 ms a step slower at batch 8 and the same at batch 1 (7B,
-// H100, 2026-12-07; BENCHMARKS.md); tests/test_cuda_mma.py checks the SASS.
+// H100, 2026-12-07; BENCHMARKS.md); tests/test_cuda_mma.py checks the SASS. NVFP4_ACTIVATIONS_EVICT_LAST (off; the
+// `+pdl_evict_last` bench engine) marks those coherent loads to stay in L1 longest; the main loop is otherwise the same.
 __device__ __forceinline__ uint4 load_cached(const uint4* p) {
   uint4 v;
 #if NVFP4_NC_ACTIVATIONS
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#elif NVFP4_ACTIVATIONS_EVICT_LAST
+  asm volatile("ld.global.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
 #else
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
 #endif
