@@ -239,7 +239,7 @@ that twice the weights are in flight before it waits for the kernel before it), 
 loaded through the non-coherent path, as before 2026-12-07 (~0.1 ms a step faster at batch 8 on an H100, but ptxas may
 move those loads above the wait: a race; never the default), with the PDL build's coherent activation loads
 marked to stay in L1 longest (``ld.global.L1::evict_last``, ``NVFP4_ACTIVATIONS_EVICT_LAST``: every warp re-reads
-them, and the weights already bypass L1), with that build asking for a warp's next 6 or 2 blocks of
+them, and the weights already bypass L1; no faster at batch 1 and 8 on an H100, 2026-12-07), with that build asking for a warp's next 6 or 2 blocks of
 weights into L2 before it waits (``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block of the q/k/v, o and gate/up
 products' warps at one row and a third of down's), and none (the control). A suffix takes one ``(module, settings)``
 pair or a tuple of them."""

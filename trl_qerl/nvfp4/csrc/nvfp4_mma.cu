@@ -228,7 +228,8 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
 // SASS, 2026-12-07): NVRTC 13.5 in the build with two blocks loaded ahead, NVRTC 13.0 in the 16-token build with LoRA
 // terms. So PDL builds load coherently, which measured ~0.1 ms a step slower at batch 8 and the same at batch 1 (7B,
 // H100, 2026-12-07; BENCHMARKS.md); tests/test_cuda_mma.py checks the SASS. NVFP4_ACTIVATIONS_EVICT_LAST (off; the
-// `+pdl_evict_last` bench engine) marks those coherent loads to stay in L1 longest; the main loop is otherwise the same.
+// `+pdl_evict_last` bench engine) marks those coherent loads to stay in L1 longest, the main loop otherwise the same:
+// measured no faster at batch 1 and 8 (7B, H100, 2026-12-07).
 __device__ __forceinline__ uint4 load_cached(const uint4* p) {
   uint4 v;
 #if NVFP4_NC_ACTIVATIONS
