@@ -182,11 +182,11 @@ level, as they did when they were measured (``default``: the shipped setting, gr
 ``default+<suffix>`` for each suffix of `OWN_CHOICE_ENGINES` (``+narrow_wgmma``, ``+wgmma_from_32``,
 ``+tile_spread``, ``+spread_64``, ``+eager_ends``, ``+rotary_in_attention``, ``+fused_shrink_16``, ``+untimed_lora``,
 ``+pdl``, ``+pdl_rotary``, ``+no_pdl``, ``+plain_shrink``, ``+plain_rotary``, ``+pdl_depth2``, ``+pdl_nc_activations``,
-``+pdl_evict_last``, ``+pdl_l2``, ``+pdl_l2_2``, ``+own_choices``): the generator's defaults (as ``default``; before 2026-12-06 these
-engines ran with the named engines' settings) with that suffix's settings while the engine runs, and its own kernel
-choices: the chooser starts from the shipped table and forgets what that engine timed afterwards, so the other engines
-time their keys themselves. Compare them with
-``default+own_choices`` (no settings), not with ``default``, whose choices stay."""
+``+pdl_evict_last``, ``+pdl_l2``, ``+pdl_l2_2``, ``+own_choices``): the generator's defaults (as ``default``; before
+2026-12-06 these engines ran with the named engines' settings) with that suffix's settings while the engine runs, and
+its own kernel choices: the chooser starts from the shipped table and forgets what that engine timed afterwards, so the
+other engines time their keys themselves. Compare them with ``default+own_choices`` (no settings), not with
+``default``, whose choices stay."""
 
 
 SHIPPED_CHOICES = dict(kernels.CHOOSER.choices)
@@ -239,10 +239,10 @@ that twice the weights are in flight before it waits for the kernel before it), 
 loaded through the non-coherent path, as before 2026-12-07 (~0.1 ms a step faster at batch 8 on an H100, but ptxas may
 move those loads above the wait: a race; never the default), with the PDL build's coherent activation loads
 marked to stay in L1 longest (``ld.global.L1::evict_last``, ``NVFP4_ACTIVATIONS_EVICT_LAST``: every warp re-reads
-them, and the weights already bypass L1; no faster at batch 1 and 8 on an H100, 2026-12-07), with that build asking for a warp's next 6 or 2 blocks of
-weights into L2 before it waits (``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block of the q/k/v, o and gate/up
-products' warps at one row and a third of down's), and none (the control). A suffix takes one ``(module, settings)``
-pair or a tuple of them."""
+them, and the weights already bypass L1; no faster at batch 1 and 8 on an H100, 2026-12-07), with that build asking
+for a warp's next 6 or 2 blocks of weights into L2 before it waits (``NVFP4_PDL_L2_BLOCKS``: at 7B, 6 is every block
+of the q/k/v, o and gate/up products' warps at one row and a third of down's), and none (the control). A suffix takes
+one ``(module, settings)`` pair or a tuple of them."""
 
 GROUP_SUMS = 8
 """Spans per group of the ``+group_sums`` engines' row shrink (the value measured and shipped on 2026-12-05)."""
