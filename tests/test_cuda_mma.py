@@ -284,16 +284,17 @@ def test_cuda_graph_replays_read_new_inputs_in_place():
 @needs_cuda
 @pytest.mark.skipif(CUDA and torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm_90")
 @pytest.mark.parametrize(
-    "depth",
+    "build",
     [(), ("-DNVFP4_DEPTH=2",), ("-DNVFP4_PDL_L2_BLOCKS=6",), ("-DNVFP4_ACTIVATIONS_EVICT_LAST=1",)],
     ids=["depth1", "depth2", "l2-prefetch", "evict-last"],
 )
-def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch, depth):
+def test_programmatic_launches_wait_for_the_kernel_they_read(monkeypatch, build):
     """``NVFP4_PDL=1``: a captured chain of products, each reading the previous one's output (directly, or through
     an elementwise kernel), equals the reference on every replay: no product reads its input early. The same for the
-    PDL builds of ``bench_rollout.py``'s ``+pdl_depth2`` and ``+pdl_l2`` engines."""
+    PDL builds of ``bench_rollout.py``'s ``+pdl_depth2``, ``+pdl_l2`` and ``+pdl_evict_last`` engines (``build``:
+    their flags added to `cuda_mma.PDL_BUILD`)."""
     monkeypatch.setenv("NVFP4_PDL", "1")
-    monkeypatch.setattr(cuda_mma, "PDL_BUILD", cuda_mma.PDL_BUILD + depth)
+    monkeypatch.setattr(cuda_mma, "PDL_BUILD", cuda_mma.PDL_BUILD + build)
     generator = torch.Generator().manual_seed(11)
     weights = [quantized(1024, 1024, generator) for _ in range(4)]
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
