@@ -6,8 +6,10 @@ the model's vocabulary, prompts of exactly ``--prompt-tokens`` tokens, and a rew
 first is warm-up, the rest are averaged (each measured step is kept in the JSON too, with its mean completion
 length: a step whose padded length differs from the warm-up's may pay one-off kernel builds; cuDNN's attention plans
 for the full-length shape, with and without a padding mask, are built before the first step): step time split into
-rollout / reward / log-prob / forward+backward, rollout tokens/s, and peak allocated device memory. ``--batch``
-takes several sizes (the paper's Table 3: 2 4 8); each mode and batch trains its own trainer in the same process.
+rollout / reward / log-prob / inputs (the rest of building the loss inputs: decoding, padding, advantages; counted
+in forward+backward before 2026-12-08) / forward+backward, rollout tokens/s, and peak allocated device memory.
+``--batch`` takes several sizes (the paper's Table 3: 2 4 8); each mode and batch trains its own trainer in the same
+process.
 
 Random weights rarely emit the EOS token (the 7B batch-64 warm-up step drew it once in 32k draws), so completions are
 full length but for an occasional early end. ``--eos-rate R`` adds R of the
@@ -357,6 +359,7 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         "rollout_s": mean("time/rollout_s"),
         "reward_s": mean("time/reward_s"),
         "logprob_s": mean("time/logprob_s"),
+        "inputs_s": mean("time/inputs_s"),
         "forward_backward_s": mean("time/forward_backward_s"),
         "rollout_tokens_per_s": mean("rollout/tokens_per_second"),
         "completion_length": mean("completions/mean_length"),
@@ -368,6 +371,7 @@ def run_mode(mode: str, batch: int, checkpoint: Path | None, tokenizer, args) ->
         "step_s_each": [e["time/step_s"] for e in steps],
         "completion_length_each": [e["completions/mean_length"] for e in steps],
         "forward_backward_s_each": [e["time/forward_backward_s"] for e in steps],
+        "inputs_s_each": [e["time/inputs_s"] for e in steps],
         "probe_each": probe.steps,
         "warmup": {key: warmup[key] for key in ("time/step_s", "time/forward_backward_s", "completions/mean_length")},
         "training_half_profile": getattr(trainer, "training_half_profile", None),
@@ -458,13 +462,14 @@ def main() -> None:
     print(f"\nOne GRPO step, {args.model} shapes, completions x ({args.prompt_tokens} prompt + "
           f"{args.completion_tokens} completion tokens), LoRA r{args.lora_r}, gradient checkpointing, rollouts: "
           f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step; {card}")  # fmt: skip
-    print("| batch | mode | step s | each step s | rollout s | reward s | log-prob s | fwd+bwd s | rollout tok/s | peak GB "
+    print("| batch | mode | step s | each step s | rollout s | reward s | log-prob s | inputs s | fwd+bwd s | rollout tok/s | "
+          "peak GB "
           "| frozen weights GB | trainable GB | optimizer GB |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         each = " / ".join(f"{s:.2f}" for s in r["step_s_each"])
         print(f"| {r['batch']} | {r['mode']} | {r['step_s']:.2f} | {each} | {r['rollout_s']:.2f} | {r['reward_s']:.3f} | "
-              f"{r['logprob_s']:.2f} | {r['forward_backward_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | "
+              f"{r['logprob_s']:.2f} | {r['inputs_s']:.2f} | {r['forward_backward_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | "
               f"{r['peak_allocated_gb']:.1f} | {r['frozen_weight_gb']:.2f} | {r['trainable_gb']:.3f} | "
               f"{r['optimizer_state_gb']:.3f} |")  # fmt: skip
     for batch in args.batch:

@@ -134,6 +134,27 @@ def test_time_metrics_are_per_optimizer_step_under_gradient_accumulation(checkpo
         assert entry["time/step_s"] >= entry["time/rollout_s"]
 
 
+def test_input_preparation_is_timed_apart_from_the_loss_forward_and_backward(checkpoint, tmp_path):
+    trainer = QeRLGRPOTrainer(str(checkpoint), reward_funcs=_varied, args=_args(tmp_path),
+                              train_dataset=tiny_arithmetic_dataset("train", limit=8))  # fmt: skip
+    original = trainer._generate_and_score_completions
+
+    def slow_preparation(inputs):
+        output = original(inputs)
+        time.sleep(0.3)  # after the rollout and rewards: neither their time nor the loss's
+        return output
+
+    trainer._generate_and_score_completions = slow_preparation
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "time/inputs_s" in e]
+    assert logs
+    for entry in logs:
+        assert 0.3 <= entry["time/inputs_s"] < entry["time/step_s"]
+        assert entry["time/forward_backward_s"] >= 0
+        parts = ("rollout", "reward", "logprob", "inputs", "forward_backward")
+        assert sum(entry[f"time/{part}_s"] for part in parts) == pytest.approx(entry["time/step_s"], rel=1e-6)
+
+
 # -- sharded parameters ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "state, refused",

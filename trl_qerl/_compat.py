@@ -47,6 +47,8 @@ PRIVATE_HOOKS = (
     PrivateHook("trl:GRPOTrainer", "_get_per_token_logps_and_entropies",
                 ("model", "input_ids", "attention_mask", "logits_to_keep"),
                 "trainer.QeRLGRPOTrainer overrides it (timing)", "trl 1.16"),
+    PrivateHook("trl:GRPOTrainer", "_prepare_inputs", ("generation_batch",),
+                "trainer.QeRLGRPOTrainer overrides it (timing: time/inputs_s)", "trl 1.16"),
     PrivateHook("trl:GRPOTrainer", "_generate_and_score_completions", ("inputs",),
                 "trainer.QeRLGRPOTrainer overrides it (importance-sampling share)", "trl 1.16"),
     PrivateHook("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),

@@ -5,8 +5,8 @@ The subclass overrides as little as possible:
 * ``__init__`` loads or quantises the model (or a 16-bit / NF4 / full fine-tuning baseline), applies LoRA and
   installs `AQNCallback`, then hands everything to ``GRPOTrainer.__init__``;
 * ``_generate_single_turn`` sends rollouts through a pluggable backend inside a fresh AQN noise draw, and times them;
-* ``training_step`` / ``_calculate_rewards`` / ``_get_per_token_logps_and_entropies`` only add timing and memory
-  metrics around TRL's own code;
+* ``training_step`` / ``_prepare_inputs`` / ``_calculate_rewards`` / ``_get_per_token_logps_and_entropies`` only add
+  timing and memory metrics around TRL's own code;
 * ``create_model_card`` appends what a QeRL run needs to be reproduced.
 
 The private TRL/transformers hooks it overrides are listed, with the versions they were checked against, in
@@ -374,7 +374,7 @@ class QeRLGRPOTrainer(GRPOTrainer):
             total = self._now() - self._step_start
             self._step_start = None
             metrics = self._metrics["train"]
-            for part in ("rollout", "reward", "logprob"):
+            for part in ("rollout", "reward", "logprob", "inputs"):
                 metrics[f"time/{part}_s"].append(self._timings[part])
             metrics["time/forward_backward_s"].append(total - sum(self._timings.values()))
             metrics["time/step_s"].append(total)
@@ -383,6 +383,16 @@ class QeRLGRPOTrainer(GRPOTrainer):
                     torch.cuda.max_memory_allocated(self.accelerator.device) / 1e9
                 )
         return loss
+
+    def _prepare_inputs(self, generation_batch):
+        # TRL 1.16's GRPOTrainer._prepare_inputs (private; checked against 1.16.0) builds each micro-batch's loss
+        # inputs, rolling out when its buffer is empty. Its time outside the rollout, rewards and log-probs
+        # (decoding, padding, advantages) is logged as `time/inputs_s`, so that `time/forward_backward_s` holds
+        # only the loss forward and the backward.
+        start, timed = self._now(), sum(self._timings.values())
+        inputs = super()._prepare_inputs(generation_batch)
+        self._timings["inputs"] += self._now() - start - (sum(self._timings.values()) - timed)
+        return inputs
 
     # -- model card ----------------------------------------------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
