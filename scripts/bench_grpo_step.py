@@ -463,8 +463,7 @@ def main() -> None:
           f"{args.completion_tokens} completion tokens), LoRA r{args.lora_r}, gradient checkpointing, rollouts: "
           f"{args.rollout_backend}; mean of {results[0]['steps_averaged']} steps after one warm-up step; {card}")  # fmt: skip
     print("| batch | mode | step s | each step s | rollout s | reward s | log-prob s | inputs s | fwd+bwd s | rollout tok/s | "
-          "peak GB "
-          "| frozen weights GB | trainable GB | optimizer GB |")  # fmt: skip
+          "peak GB | frozen weights GB | trainable GB | optimizer GB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         each = " / ".join(f"{s:.2f}" for s in r["step_s_each"])
